@@ -1,0 +1,1 @@
+"""Pallas kernels (installed as atlas_jax.kernels)."""

@@ -1,0 +1,1 @@
+"""Training (installed as atlas_jax.train); the training issue fills this in."""
