@@ -1,0 +1,155 @@
+"""Axis 1b — feature maps φ applied to keys and queries before the memory reads or writes.
+
+Every map is a small frozen dataclass with
+  * ``output_dim(d)``: the width of φ(x) for x ∈ ℝ^d,
+  * ``init_params()``: its (outer-loop) parameters, an empty dict when it has none,
+  * ``apply(params, x)``: φ(x) on the last axis of x.
+
+The polynomial maps use the *symmetric* tensor power: for degree i the block holds every monomial
+x_{j1}…x_{ji} (j1 ≤ … ≤ ji) once, weighted by √(multinomial), so that
+⟨sym_i(x), sym_i(y)⟩ = (x·y)^i exactly with C(d+i−1, i) features instead of d^i. The whole map of
+degree ≤ p therefore has C(d+p, p) features, the effective key width of ATLAS Proposition 2.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["FeatureMap", "Identity", "EluPlusOne", "Polynomial", "ExpTaylor", "get_feature_map"]
+
+
+class FeatureMap:
+    """Base class: identity-like defaults."""
+
+    name = "feature_map"
+
+    def output_dim(self, d: int) -> int:
+        return d
+
+    def init_params(self) -> dict:
+        return {}
+
+    def apply(self, params: dict, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Identity(FeatureMap):
+    name = "identity"
+
+    def apply(self, params, x):
+        return x
+
+
+@dataclass(frozen=True)
+class EluPlusOne(FeatureMap):
+    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive features, same width."""
+
+    name = "elu+1"
+
+    def apply(self, params, x):
+        return jax.nn.elu(x) + 1.0
+
+
+@lru_cache(maxsize=None)
+def _symmetric_power_table(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index tuples and √multinomial weights of the degree-`degree` symmetric power of ℝ^d."""
+    combos = list(itertools.combinations_with_replacement(range(d), degree))
+    index = np.asarray(combos, dtype=np.int32).reshape(len(combos), degree)
+    weights = np.empty(len(combos), dtype=np.float64)
+    for row, combo in enumerate(combos):
+        counts = np.bincount(np.asarray(combo), minlength=d)
+        multinomial = math.factorial(degree) / np.prod([math.factorial(int(c)) for c in counts])
+        weights[row] = math.sqrt(multinomial)
+    return index, weights.astype(np.float32)
+
+
+def symmetric_power(x: jax.Array, degree: int) -> jax.Array:
+    """sym_i(x) with ⟨sym_i(x), sym_i(y)⟩ = (x·y)^i; degree 0 is the constant feature 1."""
+    if degree == 0:
+        return jnp.ones(x.shape[:-1] + (1,), x.dtype)
+    index, weights = _symmetric_power_table(x.shape[-1], degree)
+    monomials = jnp.prod(x[..., index], axis=-1)  # [..., n_monomials]
+    return monomials * jnp.asarray(weights, x.dtype)
+
+
+def _check_degree(name: str, degree) -> None:
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ValueError(f"{name}: degree must be an int >= 1, got {degree!r}")
+    if degree > 6:
+        raise ValueError(f"{name}: degree {degree} makes C(d+p, p) features explode; use degree <= 6")
+
+
+@dataclass(frozen=True)
+class Polynomial(FeatureMap):
+    """φ_p(x) = [a_0, a_1 x, a_2 sym_2(x), …, a_p sym_p(x)] with learnable a_i (init 1/i!).
+
+    The coefficients gate whole degree blocks (ATLAS §3.1, "input feature gating": a_i = 0 drops
+    x^{⊗i}); the induced kernel is ⟨φ(x), φ(y)⟩ = Σ_i a_i² (x·y)^i.
+    """
+
+    degree: int = 2
+    name = "polynomial"
+
+    def __post_init__(self):
+        _check_degree("Polynomial", self.degree)
+
+    def output_dim(self, d: int) -> int:
+        return math.comb(d + self.degree, self.degree)
+
+    def init_params(self) -> dict:
+        return {"coeffs": jnp.asarray([1.0 / math.factorial(i) for i in range(self.degree + 1)],
+                                      jnp.float32)}
+
+    def apply(self, params, x):
+        coeffs = params["coeffs"] if params else self.init_params()["coeffs"]
+        blocks = [coeffs[i].astype(x.dtype) * symmetric_power(x, i) for i in range(self.degree + 1)]
+        return jnp.concatenate(blocks, axis=-1)
+
+    def describe(self) -> str:
+        return f"polynomial(p={self.degree})"
+
+
+@dataclass(frozen=True)
+class ExpTaylor(FeatureMap):
+    """Order-p Taylor feature map of exp: ⟨φ(x), φ(y)⟩ = Σ_{i≤p} (x·y)^i / i! → exp(x·y).
+
+    Fixed coefficients 1/√(i!); the p → ∞ limit is the exponential kernel of softmax attention
+    (ATLAS §4.2, DeepTransformers).
+    """
+
+    order: int = 2
+    name = "exp_taylor"
+
+    def __post_init__(self):
+        _check_degree("ExpTaylor", self.order)
+
+    def output_dim(self, d: int) -> int:
+        return math.comb(d + self.order, self.order)
+
+    def apply(self, params, x):
+        blocks = [symmetric_power(x, i) / math.sqrt(math.factorial(i)) for i in range(self.order + 1)]
+        return jnp.concatenate(blocks, axis=-1)
+
+    def describe(self) -> str:
+        return f"exp-taylor(p={self.order})"
+
+
+_FEATURE_MAPS = {"identity": Identity, "elu+1": EluPlusOne, "elu_plus_one": EluPlusOne,
+                 "polynomial": Polynomial, "exp_taylor": ExpTaylor}
+
+
+def get_feature_map(name: str, **kwargs) -> FeatureMap:
+    """Feature map by name (identity, elu+1, polynomial, exp_taylor)."""
+    if name not in _FEATURE_MAPS:
+        raise ValueError(f"feature_map: unknown name {name!r}; choose one of {sorted(_FEATURE_MAPS)}")
+    return _FEATURE_MAPS[name](**kwargs)

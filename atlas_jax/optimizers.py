@@ -1,0 +1,279 @@
+"""Axis 3 — inner optimizers, as optax transforms.
+
+Every factory here returns an ``optax.GradientTransformationExtraArgs`` with a NamedTuple state,
+so it composes with optax (``optax.chain``) and, the other way round, any optax transform can be
+used as an inner optimizer (``optax.adam(1e-2)`` included). Updates follow optax's sign
+convention: θ ← θ + updates (before retention, which is its own axis).
+
+The recurrence passes per-token knobs as keyword-only extra args; a transform ignores the ones it
+does not use and plain optax transforms never see them (``optax.with_extra_args_support``):
+
+  ``step_size``      β_t, the inner learning rate (default: the factory's ``step_size``)
+  ``momentum_decay`` ν_t (default: the factory's ``momentum_decay``)
+  ``input_sq_norm``  Σ_i γ_i ‖φ(k_i)‖² over the window (implicit GD)
+  ``inputs``, ``targets``, ``weights``   the window's φ(k_i), v_i and γ_i (closed-form solvers)
+  ``decay``          α_t = exp(g_t), the token's retention factor (least squares forgets through it)
+
+The factories also record what they are (``info(opt)``): the chunked form uses it to run GD,
+momentum and Muon as parallel in-chunk linear recurrences; any other transform is run as a scan.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = [
+    "OptimizerInfo", "MomentumState", "LeastSquaresState", "MUON_COEFFICIENTS", "CUBIC_COEFFICIENTS",
+    "gd", "momentum", "muon", "implicit_gd", "least_squares", "multi_step", "newton_schulz",
+    "info", "describe", "get_optimizer",
+]
+
+# Muon's quintic (Jordan et al. 2024): fast, and deliberately not convergent (singular values land
+# in ≈ [0.7, 1.2]); the cubic (3/2, −1/2, 0) converges to the polar factor for ‖X‖₂ < √3.
+MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+CUBIC_COEFFICIENTS = (1.5, -0.5, 0.0)
+
+
+class OptimizerInfo(NamedTuple):
+    kind: str                      # gd | momentum | muon | implicit_gd | least_squares | optax
+    step_size: float | None = None
+    momentum_decay: float | None = None
+    ns_steps: int | None = None
+    ns_coefficients: tuple | None = None
+    ns_eps: float = 1e-7
+    ridge: float | None = None
+    steps: int = 1                 # inner steps per token (DeltaProduct-style multi-step GD)
+
+
+class MomentumState(NamedTuple):
+    momentum: Any
+
+
+class LeastSquaresState(NamedTuple):
+    gram: jax.Array   # Σ decayed γ φ(k) φ(k)ᵀ  [d_in, d_in]
+    cross: jax.Array  # Σ decayed γ φ(k) vᵀ     [d_in, d_out]
+
+
+def _tag(init, update, opt_info: OptimizerInfo) -> optax.GradientTransformationExtraArgs:
+    update.atlas_info = opt_info
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def info(opt) -> OptimizerInfo:
+    """What an inner optimizer is; transforms not built here report kind 'optax'."""
+    return getattr(opt.update, "atlas_info", None) or OptimizerInfo(kind="optax")
+
+
+def describe(opt) -> str:
+    i = info(opt)
+    text = {
+        "gd": "GD",
+        "momentum": "GD + momentum",
+        "muon": f"GD + momentum + Newton–Schulz (J={i.ns_steps})",
+        "implicit_gd": "implicit GD",
+        "least_squares": f"exact least squares over all past (ridge λ={i.ridge:g}, gated statistics)",
+        "optax": "optax transform",
+    }[i.kind]
+    return f"{i.steps} × {text} per token" if i.steps > 1 else text
+
+
+def _positive(name, value):
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _step(step_size, default):
+    return default if step_size is None else step_size
+
+
+def gd(step_size: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """One gradient step per token: updates = −β_t ∇."""
+    _positive("gd: step_size", step_size)
+
+    default_beta = step_size
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(grads, state, params=None, *, step_size=None, **extra):
+        beta = _step(step_size, default_beta)
+        return jax.tree.map(lambda g: -beta * g, grads), state
+
+    return _tag(init, update, OptimizerInfo(kind="gd", step_size=step_size))
+
+
+def implicit_gd(step_size: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """Implicit (proximal) GD, Longhorn: θ_t = argmin ½‖θ − θ_{t−1}‖² + β ℓ(θ).
+
+    Exact for a linear memory with the ℓ2 objective, where it is GD with the step
+    β / (1 + β ‖φ(k)‖²) (Sherman–Morrison); for other memories/objectives the same scalar
+    curvature ‖φ(k)‖² is used as a (Gauss–Newton-style) approximation.
+    """
+    _positive("implicit_gd: step_size", step_size)
+
+    default_beta = step_size
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(grads, state, params=None, *, step_size=None, input_sq_norm=None, **extra):
+        beta = _step(step_size, default_beta)
+        if input_sq_norm is None:
+            raise ValueError("implicit_gd needs the extra arg input_sq_norm (Σ γ‖φ(k)‖²); "
+                             "the atlas_jax recurrence passes it, call it through MemorySpec")
+        eff = beta / (1.0 + beta * input_sq_norm)
+        return jax.tree.map(lambda g: -eff * g, grads), state
+
+    return _tag(init, update, OptimizerInfo(kind="implicit_gd", step_size=step_size))
+
+
+def _momentum_pieces(momentum_decay):
+    if not 0 <= momentum_decay <= 1:
+        raise ValueError(f"momentum_decay must be in [0, 1], got {momentum_decay!r}")
+
+    def init(params):
+        return MomentumState(momentum=jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params))
+
+    def trace(grads, state, nu):
+        return jax.tree.map(lambda m, g: nu * m + g, state.momentum, grads)
+
+    return init, trace
+
+
+def momentum(step_size: float = 1.0, momentum_decay: float = 0.9) -> optax.GradientTransformationExtraArgs:
+    """Titans: m_t = ν_t m_{t−1} + ∇, updates = −β_t m_t."""
+    _positive("momentum: step_size", step_size)
+    init, trace = _momentum_pieces(momentum_decay)
+    default_beta, default_nu = step_size, momentum_decay
+
+    def update(grads, state, params=None, *, step_size=None, momentum_decay=None, **extra):
+        nu = _step(momentum_decay, default_nu)
+        beta = _step(step_size, default_beta)
+        m = trace(grads, state, nu)
+        return jax.tree.map(lambda x: -beta * x, m), MomentumState(m)
+
+    return _tag(init, update, OptimizerInfo(kind="momentum", step_size=step_size,
+                                            momentum_decay=momentum_decay))
+
+
+def _coefficients(coefficients):
+    if isinstance(coefficients, str):
+        table = {"muon": MUON_COEFFICIENTS, "cubic": CUBIC_COEFFICIENTS}
+        if coefficients not in table:
+            raise ValueError(f"muon: coefficients must be 'muon', 'cubic' or (a, b, c), got {coefficients!r}")
+        return table[coefficients]
+    coefficients = tuple(float(c) for c in coefficients)
+    if len(coefficients) != 3:
+        raise ValueError(f"muon: coefficients must have 3 entries (a, b, c), got {coefficients!r}")
+    return coefficients
+
+
+def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7) -> jax.Array:
+    """Newton–Schulz orthogonalisation of a matrix (Muon): X ← aX + (bA + cA²)X, A = XXᵀ.
+
+    Frobenius-normalised first (so every singular value starts ≤ 1); a tall matrix is transposed so
+    that the Gram matrix A is the smaller one. Runs in float32.
+    """
+    a, b, c = coefficients
+    x = x.astype(jnp.float32)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = jnp.swapaxes(x, -1, -2)
+    x = x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) + eps)
+    for _ in range(steps):
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return jnp.swapaxes(x, -1, -2) if tall else x
+
+
+def orthogonalize_tree(tree, steps, coefficients, eps):
+    """Newton–Schulz on every matrix leaf; vectors/scalars pass through (as in Muon practice)."""
+    return jax.tree.map(lambda m: newton_schulz(m, steps, coefficients, eps) if m.ndim == 2 else m, tree)
+
+
+def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
+         coefficients="muon", eps: float = 1e-7) -> optax.GradientTransformationExtraArgs:
+    """ATLAS: m_t = ν_t m_{t−1} + ∇, updates = −β_t NewtonSchulz_J(m_t)."""
+    _positive("muon: step_size", step_size)
+    if not isinstance(ns_steps, int) or ns_steps < 0:
+        raise ValueError(f"muon: ns_steps must be an int >= 0, got {ns_steps!r}")
+    coeffs = _coefficients(coefficients)
+    init, trace = _momentum_pieces(momentum_decay)
+    default_beta, default_nu = step_size, momentum_decay
+
+    def update(grads, state, params=None, *, step_size=None, momentum_decay=None, **extra):
+        nu = _step(momentum_decay, default_nu)
+        beta = _step(step_size, default_beta)
+        m = trace(grads, state, nu)
+        direction = orthogonalize_tree(m, ns_steps, coeffs, eps)
+        return jax.tree.map(lambda x: -beta * x, direction), MomentumState(m)
+
+    return _tag(init, update, OptimizerInfo(kind="muon", step_size=step_size, momentum_decay=momentum_decay,
+                                            ns_steps=ns_steps, ns_coefficients=coeffs, ns_eps=eps))
+
+
+def least_squares(ridge: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """MesaNet: θ_t = argmin Σ_i decayed γ_i ½‖v_i − θᵀφ(k_i)‖² + ½λ‖θ‖², solved exactly.
+
+    Keeps the sufficient statistics (Gram and cross-covariance, decayed by α_t = ``decay``) and
+    returns updates = θ* − θ_{t−1}. Linear memory only. Pair it with retention ``none``: the
+    forgetting acts on the statistics, not on θ.
+    """
+    _positive("least_squares: ridge", ridge)
+
+    def init(params):
+        if set(params) != {"S"} or params["S"].ndim != 2:
+            raise ValueError("least_squares: works on a linear memory (params {'S': [d_in, d_out]}), "
+                             f"got params with keys {sorted(params)}")
+        d_in, d_out = params["S"].shape
+        return LeastSquaresState(gram=jnp.zeros((d_in, d_in), jnp.float32),
+                                 cross=jnp.zeros((d_in, d_out), jnp.float32))
+
+    def update(grads, state, params=None, *, inputs=None, targets=None, weights=None, decay=None, **extra):
+        if inputs is None or targets is None:
+            raise ValueError("least_squares needs the extra args inputs/targets (the window's φ(k), v); "
+                             "the atlas_jax recurrence passes them, call it through MemorySpec")
+        w = jnp.ones(inputs.shape[:1], jnp.float32) if weights is None else weights
+        alpha = 1.0 if decay is None else decay
+        gram = alpha * state.gram + jnp.einsum("N,NI,NJ->IJ", w, inputs, inputs)
+        cross = alpha * state.cross + jnp.einsum("N,NI,NV->IV", w, inputs, targets)
+        eye = jnp.eye(gram.shape[0], dtype=gram.dtype)
+        solution = jnp.linalg.solve(gram + ridge * eye, cross)
+        return {"S": solution - params["S"]}, LeastSquaresState(gram, cross)
+
+    return _tag(init, update, OptimizerInfo(kind="least_squares", ridge=ridge))
+
+
+def multi_step(opt, steps: int) -> optax.GradientTransformationExtraArgs:
+    """``steps`` inner steps per token (DeltaProduct): the recurrence re-evaluates the gradient
+    before each one; with several keys/values per token, step j uses the j-th pair."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"multi_step: steps must be an int >= 1, got {steps!r}")
+    inner = optax.with_extra_args_support(opt)
+
+    def update(grads, state, params=None, **extra):
+        return inner.update(grads, state, params, **extra)
+
+    return _tag(inner.init, update, info(opt)._replace(steps=steps))
+
+
+_OPTIMIZERS = {"gd": gd, "momentum": momentum, "muon": muon, "implicit_gd": implicit_gd,
+               "least_squares": least_squares}
+
+
+def get_optimizer(name: str, **kwargs):
+    """Inner optimizer by name (gd, momentum, muon, implicit_gd, least_squares, or optax:<name>)."""
+    if name.startswith("optax:"):
+        factory = getattr(optax, name.split(":", 1)[1], None)
+        if factory is None:
+            raise ValueError(f"optimizer: optax has no transform {name.split(':', 1)[1]!r}")
+        return factory(**kwargs)
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown name {name!r}; choose one of {sorted(_OPTIMIZERS)} "
+                         "or 'optax:<transform>' (e.g. optax:adam)")
+    return _OPTIMIZERS[name](**kwargs)
