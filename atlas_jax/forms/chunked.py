@@ -1,0 +1,224 @@
+"""The chunked form: chunkwise-parallel, in two flavours.
+
+**Exact** (``is_exact``): a linear memory with the dot or ℓ2 objective, window 1, (implicit) GD,
+and no/scalar/channel decay is the delta-rule (or linear-attention) family, whose chunked WY/UT
+form equals the recurrence to float tolerance: it runs through ``atlas_jax.ops``' chunk algorithm.
+
+**Chunk-start gradients** (everything else; Titans §3.2, TTT mini-batch GD, ATLAS §3.3, MIRAS):
+inside a chunk of b steps every gradient is taken at the chunk's starting θ₀,
+
+    g_t = Σ_{i=t−c+1..t} γ_i ∇ℓ_i(p_t)          p_t = θ₀ (decoupled) or θ₀ decayed to step t
+    m_t = ν_t m_{t−1} + g_t,  u_t = −β_t [NS_J](m_t)            (masked decay matmul; NS in parallel)
+    A_t = α_t ⊙ A_{t−1} + u_t,  θ_t = map(A_t),  o_t = M_{θ_t}(φ(q_t))
+
+Decays are products of per-step factors built in log space with the mask applied before exp. With
+b = 1 this is the recurrence exactly; for b > 1 the documented approximation is that the gradients
+of a chunk do not see the chunk's own earlier writes. Inner optimizers other than GD, momentum,
+Muon and implicit GD (e.g. ``optax.adam``, least squares) run as a scan over the chunk's steps on
+the same chunk-start gradients (least squares ignores gradients, so its chunked form is exact).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from atlas_jax import optimizers as inner_opt
+from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, decay_matrix, safe_log,
+                                    window_gradient)
+from atlas_jax.memory import LinearMemory
+from atlas_jax.retention import decay_tree
+from atlas_jax.objectives import L2, Dot
+
+__all__ = ["is_exact", "chunked_sequence", "exact_chunked"]
+
+_PARALLEL_KINDS = ("gd", "momentum", "muon", "implicit_gd")
+
+
+def is_exact(spec) -> bool:
+    """Whether the chunked form of ``spec`` is exact (the delta-rule / linear-attention family)."""
+    kind = inner_opt.info(spec.optimizer).kind
+    retention = spec.retention
+    # Decoupled decay reads the undecayed state in the ℓ2 residual, which is not the WY family.
+    forget_then_write = retention.decay == "none" or not retention.decoupled or isinstance(spec.objective, Dot)
+    return (isinstance(spec.memory, LinearMemory)
+            and type(spec.objective) in (L2, Dot)
+            and spec.window == 1
+            and kind in ("gd", "implicit_gd")
+            and not retention.has_map
+            and forget_then_write)
+
+
+def exact_chunked(spec, params, steps: Steps, *, chunk_size: int):
+    """Exact chunked form over [B, S, H, ·] steps; ``params`` = {"S": [B, H, d_in, d_out]}."""
+    from atlas_jax.ops.delta_family.chunk import chunk_delta_family
+
+    opt_info = inner_opt.info(spec.optimizer)
+    beta = steps.step_size if steps.step_size is not None else jnp.full(steps.gates.shape, opt_info.step_size)
+    beta = beta * steps.gates
+    if opt_info.kind == "implicit_gd":
+        beta = beta / (1.0 + beta * jnp.sum(jnp.square(steps.inputs), axis=-1))
+    o, final = chunk_delta_family(
+        steps.queries, steps.inputs, steps.targets, beta,
+        steps.log_decay if spec.retention.decay != "none" else None,
+        delta=isinstance(spec.objective, L2), scale=1.0, initial_state=params["S"],
+        output_final_state=True, chunk_size=chunk_size)
+    return o, {"S": final}
+
+
+def _orthogonalize_batched(tree, opt_info):
+    def one(m):
+        if m.ndim != 3:   # [b, rows, cols] matrices only; vectors pass through as in Muon practice
+            return m
+        return inner_opt.newton_schulz(m, opt_info.ns_steps, opt_info.ns_coefficients, opt_info.ns_eps)
+    return jax.tree.map(one, tree)
+
+
+def _parallel_updates(opt_info, grads, opt_state, steps: Steps, sq_norm):
+    """u_t for all steps of a chunk and the optimizer state after it (GD / momentum / Muon / implicit)."""
+    beta = steps.step_size if steps.step_size is not None else jnp.full(steps.active.shape, opt_info.step_size)
+    beta = beta * steps.active
+    expand = lambda a, leaf: jnp.reshape(a, a.shape + (1,) * (leaf.ndim - 1))
+    if opt_info.kind == "gd":
+        return jax.tree.map(lambda g: -expand(beta, g) * g, grads), opt_state
+    if opt_info.kind == "implicit_gd":
+        eff = beta / (1.0 + beta * sq_norm)
+        return jax.tree.map(lambda g: -expand(eff, g) * g, grads), opt_state
+    nu = steps.momentum_decay if steps.momentum_decay is not None else jnp.full(
+        steps.active.shape, opt_info.momentum_decay)
+    nu = jnp.where(steps.active > 0, nu, 1.0)   # padding keeps m
+    log_nu = safe_log(nu)
+    within = decay_matrix(log_nu)                      # [b, b]
+    from_start = jnp.exp(jnp.cumsum(log_nu))           # [b]
+    m = jax.tree.map(lambda g, m0: jnp.einsum("TI,I...->T...", within, g) + expand(from_start, g) * m0[None],
+                     grads, opt_state.momentum)
+    direction = _orthogonalize_batched(m, opt_info) if opt_info.kind == "muon" else m
+    updates = jax.tree.map(lambda d: -expand(beta, d) * d, direction)
+    return updates, inner_opt.MomentumState(jax.tree.map(lambda x: x[-1], m))
+
+
+def _scanned_steps(spec, grads, opt_state, base0, steps: Steps, windows, sq_norm, channel_axes):
+    """Any other optax transform (adam, least squares, …): the chunk's steps run in sequence on the
+    chunk-start gradients, each update applied to the running state as in the recurrence (a
+    transform may read its params: least squares returns θ* − θ). Returns A_t for every step."""
+    opt = optax.with_extra_args_support(spec.optimizer)
+    retention = spec.retention
+    per_step = {"inputs": windows["inputs"], "targets": windows["targets"], "weights": windows["weights"],
+                "input_sq_norm": sq_norm}
+    if steps.step_size is not None:
+        per_step["step_size"] = steps.step_size
+    if steps.momentum_decay is not None:
+        per_step["momentum_decay"] = steps.momentum_decay
+    if steps.log_decay is not None and steps.log_decay.ndim == 1:
+        per_step["decay"] = jnp.exp(steps.log_decay)
+
+    def body(carry, xs):
+        state, base = carry
+        g, extra, log_decay, active = xs
+        params = retention.map(base) if retention.has_map else base
+        decayed = base
+        if log_decay is not None and retention.decay != "none":
+            decayed = decay_tree(base, jnp.exp(log_decay), retention.decay, channel_axes)
+        point = params if (retention.decoupled or retention.decay == "none") else (
+            retention.map(decayed) if retention.has_map else decayed)
+        updates, new_state = opt.update(g, state, point, **extra)
+        new_base = jax.tree.map(lambda d, u: d + u, decayed, updates)
+        keep = lambda n, o: jnp.where(active > 0, n, o)
+        new_carry = (jax.tree.map(keep, new_state, state), jax.tree.map(keep, new_base, base))
+        return new_carry, new_carry[1]
+
+    (new_state, _), acc = jax.lax.scan(body, (opt_state, base0), (grads, per_step, steps.log_decay, steps.active))
+    return acc, new_state
+
+
+def _retention_recurrence(spec, base0, updates, steps: Steps, channel_axes):
+    """A_t = α_t ⊙ A_{t−1} + u_t for every step of the chunk, in parallel."""
+    kind = spec.retention.decay
+    if kind == "none" or steps.log_decay is None:
+        b = steps.active.shape[0]
+        lower = jnp.tril(jnp.ones((b, b), jnp.float32))
+        return jax.tree.map(lambda u, a0: jnp.einsum("TI,I...->T...", lower, u) + a0[None], updates, base0)
+    g = jnp.where((steps.active > 0).reshape((-1,) + (1,) * (steps.log_decay.ndim - 1)), steps.log_decay, 0.0)
+    within = decay_matrix(g)                         # [b, b] or [b, b, d_in]
+    from_start = jnp.exp(jnp.cumsum(g, axis=0))      # [b]  or [b, d_in]
+    if kind == "scalar":
+        def one(u, a0):
+            scale = jnp.reshape(from_start, from_start.shape + (1,) * a0.ndim)
+            return jnp.einsum("TI,I...->T...", within, u) + scale * a0[None]
+        return jax.tree.map(one, updates, base0)
+
+    def one_channel(key):
+        axis = channel_axes[key]
+        u = jnp.moveaxis(updates[key], axis + 1, 1)        # [b, d_in, ...]
+        a0 = jnp.moveaxis(base0[key], axis, 0)             # [d_in, ...]
+        tail = (1,) * (a0.ndim - 1)
+        acc = (jnp.einsum("TIC,IC...->TC...", within, u)
+               + jnp.reshape(from_start, from_start.shape + tail) * a0[None])
+        return jnp.moveaxis(acc, 1, axis + 1)
+
+    return {key: one_channel(key) for key in updates}
+
+
+def _gradient_points(spec, params0, acc0, steps: Steps, channel_axes):
+    """Where each step's gradient is taken, [b, ...θ]: θ₀ (decoupled or no decay), or θ₀ decayed
+    to the step, map(P_t ⊙ A₀) with P_t = Π_{j≤t} α_j — the state at t had the chunk written nothing."""
+    retention = spec.retention
+    b = steps.active.shape[0]
+    if retention.decoupled or retention.decay == "none" or steps.log_decay is None:
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape), params0)
+    g = jnp.where((steps.active > 0).reshape((-1,) + (1,) * (steps.log_decay.ndim - 1)), steps.log_decay, 0.0)
+    from_start = jnp.exp(jnp.cumsum(g, axis=0))
+    base0 = acc0 if retention.has_map else params0
+    decayed = jax.vmap(lambda f: decay_tree(base0, f, retention.decay, channel_axes))(from_start)
+    return jax.vmap(retention.map)(decayed) if retention.has_map else decayed
+
+
+def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int):
+    """Chunk-start-gradient form for one sequence and head; steps already padded to a multiple
+    of ``chunk_size``. Returns (final state, outputs [S, d_out])."""
+    memory, objective, retention = spec.memory, spec.objective, spec.retention
+    opt_info = inner_opt.info(spec.optimizer)
+    c, b = spec.window, chunk_size
+    n_chunks = steps.active.shape[0] // b
+    chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), steps)
+    window_index = jnp.arange(b)[:, None] + jnp.arange(c)[None, :]   # step t's window in the extended arrays
+    channel_axes = memory.channel_axes(state.params)
+
+    def one_chunk(carry: MemoryState, xc: Steps):
+        params0, opt_state, acc0, win = carry
+        gates = xc.gates * xc.active
+        ext = {"inputs": xc.inputs, "targets": xc.targets, "weights": gates, "delta": xc.delta}
+        if win is not None:   # prepend the previous c − 1 steps
+            ext = {"inputs": jnp.concatenate([win.inputs, xc.inputs]),
+                   "targets": jnp.concatenate([win.targets, xc.targets]),
+                   "weights": jnp.concatenate([win.weights, gates]),
+                   "delta": None if xc.delta is None else jnp.concatenate([win.delta, xc.delta])}
+        windows = {key: None if value is None else value[window_index] for key, value in ext.items()}
+        windows["weights"] = windows["weights"] * xc.active[:, None]   # padding steps take no gradient
+        points = _gradient_points(spec, params0, acc0, xc, channel_axes)
+
+        grads = jax.vmap(lambda p, x, y, w, d: window_gradient(memory, objective, p, x, y, w, d),
+                         in_axes=(0, 0, 0, 0, None if windows["delta"] is None else 0))(
+            points, windows["inputs"], windows["targets"], windows["weights"], windows["delta"])
+        sq_norm = jnp.sum(windows["weights"] * jnp.sum(jnp.square(windows["inputs"]), axis=-1), axis=-1)
+
+        base0 = acc0 if retention.has_map else params0
+        if opt_info.kind in _PARALLEL_KINDS:
+            updates, new_opt_state = _parallel_updates(opt_info, grads, opt_state, xc, sq_norm)
+            acc = _retention_recurrence(spec, base0, updates, xc, channel_axes)
+        else:
+            acc, new_opt_state = _scanned_steps(spec, grads, opt_state, base0, xc, windows, sq_norm, channel_axes)
+        params = jax.vmap(retention.map)(acc) if retention.has_map else acc
+        outputs = jax.vmap(memory.apply)(params, xc.queries)
+
+        last_params, last_acc = jax.tree.map(lambda x: x[-1], (params, acc))
+        new_win = None
+        if win is not None:
+            keep = lambda x: x[-(c - 1):]
+            new_win = WindowCache(keep(ext["inputs"]), keep(ext["targets"]), keep(ext["weights"]),
+                                  win.delta if ext["delta"] is None else keep(ext["delta"]))
+        new_state = MemoryState(last_params, new_opt_state, last_acc if retention.has_map else None, new_win)
+        return new_state, outputs
+
+    final, outputs = jax.lax.scan(one_chunk, state, chunks)
+    return final, outputs.reshape((n_chunks * b,) + outputs.shape[2:])

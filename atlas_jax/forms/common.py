@@ -1,0 +1,89 @@
+"""Pieces shared by the recurrent and chunked forms (per sequence, per head)."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Steps(NamedTuple):
+    """One sequence (one batch element, one head) as a list of inner steps, each [S, ...].
+
+    With several inner steps per token (DeltaProduct) a token is several steps: the decay acts on
+    its first step only and the output is read after its last (``emit``).
+    """
+
+    inputs: jax.Array            # φ(k)            [S, d_in]
+    targets: jax.Array           # v               [S, d_out]
+    queries: jax.Array           # φ(scale·q)      [S, d_in]
+    step_size: jax.Array | None  # β               [S]
+    log_decay: jax.Array | None  # g               [S] or [S, d_in] (0 where no decay acts)
+    momentum_decay: jax.Array | None  # ν          [S]
+    gates: jax.Array             # γ (Omega gate)  [S]
+    delta: jax.Array | None      # objective knob  [S]
+    active: jax.Array            # 1 for real steps, 0 for padding  [S]
+
+
+class WindowCache(NamedTuple):
+    """The last c − 1 steps, so the Omega window spans piece and chunk boundaries."""
+
+    inputs: jax.Array    # [c-1, d_in]
+    targets: jax.Array   # [c-1, d_out]
+    weights: jax.Array   # [c-1]  γ of each cached step, 0 for empty slots
+    delta: jax.Array     # [c-1]
+
+
+class MemoryState(NamedTuple):
+    """Everything a memory carries between tokens (leaves have leading [B, H] in the public API).
+
+    params:      θ, what the memory reads with;
+    opt_state:   the inner optimizer's state (momentum, least-squares statistics, adam moments, …);
+    accumulator: A of the retention (θ = map(A)); None when the map is the identity;
+    window:      the Omega window's cache, None when c = 1.
+    """
+
+    params: Any
+    opt_state: Any
+    accumulator: Any
+    window: WindowCache | None
+
+
+def window_gradient(memory, objective, params, inputs, targets, weights, delta):
+    """∇_θ Σ_i w_i ℓ(M_θ(x_i), y_i) through one VJP of the memory (inputs [n, d_in])."""
+    preds, pullback = jax.vjp(lambda p: memory.apply(p, inputs), params)
+    knob = None if delta is None else delta[:, None]
+    cotangent = weights[:, None] * objective.output_grad(preds, targets, knob)
+    (grads,) = pullback(cotangent.astype(preds.dtype))
+    return grads
+
+
+def tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def segsum(log_factors: jax.Array) -> jax.Array:
+    """S[t, i] = Σ_{j=i+1..t} a_j for i ≤ t and −inf above the diagonal (over axis 0).
+
+    Built from masked per-segment sums rather than differences of one cumsum, so no cancellation;
+    feeding it to exp gives the decay matrix with the mask applied *before* exp.
+    ``log_factors``: [b] or [b, C] (channel-wise).
+    """
+    b = log_factors.shape[0]
+    x = jnp.broadcast_to(log_factors[:, None], (b, b) + log_factors.shape[1:])   # x[t, i] = a_t
+    strictly_lower = jnp.tril(jnp.ones((b, b), bool), -1)
+    lower = jnp.tril(jnp.ones((b, b), bool), 0)
+    expand = (...,) + (None,) * (log_factors.ndim - 1)
+    x = jnp.where(strictly_lower[expand], x, 0.0)
+    sums = jnp.cumsum(x, axis=0)
+    return jnp.where(lower[expand], sums, -jnp.inf)
+
+
+def decay_matrix(log_factors: jax.Array) -> jax.Array:
+    """L[t, i] = Π_{j=i+1..t} exp(a_j) for i ≤ t, else 0 (see ``segsum``)."""
+    return jnp.exp(segsum(log_factors))
+
+
+def safe_log(x: jax.Array) -> jax.Array:
+    # A factor of exactly 0 (ν = 0: plain GD) must give a finite log and a finite gradient.
+    return jnp.log(jnp.maximum(x, 1e-30))

@@ -1,0 +1,77 @@
+"""The recurrent form: a ``lax.scan`` over inner steps, exact for every point of the design space.
+
+Per step t (one token, or one of its inner steps):
+
+    p_t   = α_t ⊙ θ_{t−1}  (or θ_{t−1} with decoupled retention)          where ∇ is taken
+    g_t   = ∇_θ Σ_{i in window} γ_i ℓ(M_{p_t}(φ(k_i)), v_i)                objective + Omega window
+    u_t, s = optimizer.update(g_t, s, p_t, step_size=β_t, …)               any optax transform
+    A_t   = α_t ⊙ A_{t−1} + u_t,   θ_t = map(A_t)                          retention
+    o_t   = M_{θ_t}(φ(q_t))
+
+This is the ground truth the chunked form and the kernels are tested against, and the decode step
+for generation.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from atlas_jax.forms.common import MemoryState, Steps, WindowCache, tree_add, window_gradient
+from atlas_jax.retention import decay_tree
+
+__all__ = ["recurrent_sequence", "inner_step"]
+
+
+def inner_step(spec, state: MemoryState, x: Steps):
+    """One inner step for one sequence and head; ``x`` holds that step's slices (no time axis)."""
+    memory, objective, retention = spec.memory, spec.objective, spec.retention
+    opt = optax.with_extra_args_support(spec.optimizer)
+    params, opt_state, acc, win = state
+
+    if win is not None:
+        inputs = jnp.concatenate([win.inputs, x.inputs[None]])
+        targets = jnp.concatenate([win.targets, x.targets[None]])
+        weights = jnp.concatenate([win.weights, x.gates[None]])
+        delta = None if x.delta is None else jnp.concatenate([win.delta, x.delta[None]])
+    else:
+        inputs, targets, weights = x.inputs[None], x.targets[None], x.gates[None]
+        delta = None if x.delta is None else x.delta[None]
+
+    base = acc if retention.has_map else params
+    if x.log_decay is not None and retention.decay != "none":
+        base = decay_tree(base, jnp.exp(x.log_decay), retention.decay, memory.channel_axes(params))
+    # Forget-then-write takes the gradient at the decayed point; decoupled decay at θ_{t−1}.
+    if retention.decoupled or retention.decay == "none":
+        point = params
+    else:
+        point = retention.map(base) if retention.has_map else base
+
+    grads = window_gradient(memory, objective, point, inputs, targets, weights, delta)
+    extra = {"input_sq_norm": jnp.sum(weights * jnp.sum(jnp.square(inputs), axis=-1)),
+             "inputs": inputs, "targets": targets, "weights": weights}
+    if x.step_size is not None:
+        extra["step_size"] = x.step_size
+    if x.momentum_decay is not None:
+        extra["momentum_decay"] = x.momentum_decay
+    if x.log_decay is not None and x.log_decay.ndim == 0:
+        extra["decay"] = jnp.exp(x.log_decay)
+    updates, new_opt_state = opt.update(grads, opt_state, point, **extra)
+
+    new_acc = tree_add(base, updates)
+    new_params = retention.map(new_acc) if retention.has_map else new_acc
+
+    if win is not None:
+        delta_cache = win.delta if x.delta is None else delta[1:]
+        new_win = WindowCache(inputs[1:], targets[1:], weights[1:], delta_cache)
+    else:
+        new_win = None
+    new_state = MemoryState(new_params, new_opt_state, new_acc if retention.has_map else None, new_win)
+    # Padding steps (chunked form only) must leave the state untouched.
+    new_state = jax.tree.map(lambda new, old: jnp.where(x.active > 0, new, old), new_state, state)
+    return new_state, memory.apply(new_params, x.queries)
+
+
+def recurrent_sequence(spec, state: MemoryState, steps: Steps):
+    """Scan ``inner_step`` over all steps of one sequence; returns (final state, outputs [S, d_out])."""
+    return jax.lax.scan(lambda s, x: inner_step(spec, s, x), state, steps)

@@ -1,0 +1,296 @@
+"""MemorySpec: one point of the four-axis design space, runnable in the recurrent or chunked form.
+
+    spec = MemorySpec(memory=MLPMemory(residual=True), feature_map=Polynomial(2), objective=L2(),
+                      window=4, optimizer=muon(ns_steps=5), retention=scalar())
+    o, state = spec(q, k, v, beta=beta, g=g, gamma=gamma, initial_state=state0,
+                    output_final_state=True, form="chunked", chunk_size=16)
+
+Layout [B, T, H, D] as in flash-linear-attention. Per-token knobs, all [B, T, H] unless noted:
+  beta   β_t step size (default: the optimizer's own); [B, T, H, n] with n inner steps per token
+  g      log retention g_t, α_t = exp(g_t) ([B, T, H, d_φ] for channel retention)
+  nu     ν_t momentum decay (default: the optimizer's own)
+  gamma  γ_t Omega-window gate of token t (default 1)
+  delta  the objective's per-token knob (Huber δ_t, robust radius Δ_t; default: the objective's own)
+With ``steps`` inner steps per token (``optimizers.multi_step``), k and v may carry one pair per
+step: k [B, T, H, n, K], v [B, T, H, n, V] (DeltaProduct); otherwise each step reuses the token's pair.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from atlas_jax import optimizers as inner_opt
+from atlas_jax.features import FeatureMap, Identity
+from atlas_jax.forms.chunked import chunked_sequence, exact_chunked, is_exact
+from atlas_jax.forms.common import MemoryState, Steps, WindowCache
+from atlas_jax.forms.recurrent import recurrent_sequence
+from atlas_jax.memory import LinearMemory, MemoryArch
+from atlas_jax.objectives import L2, Objective
+from atlas_jax.retention import Retention, none
+
+__all__ = ["MemorySpec", "MemoryState", "WindowCache", "FORMS"]
+
+FORMS = ("recurrent", "chunked")
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """A memory layer's recurrence: one value on each of the four axes (plus φ and the window)."""
+
+    memory: MemoryArch = field(default_factory=LinearMemory)
+    feature_map: FeatureMap = field(default_factory=Identity)
+    objective: Objective = field(default_factory=L2)
+    window: int = 1
+    optimizer: Any = field(default_factory=inner_opt.gd)
+    retention: Retention = field(default_factory=none)
+    name: str = "custom"
+
+    def __post_init__(self):
+        checks = [("memory", self.memory, MemoryArch), ("feature_map", self.feature_map, FeatureMap),
+                  ("objective", self.objective, Objective), ("retention", self.retention, Retention)]
+        for arg, value, kind in checks:
+            if not isinstance(value, kind):
+                raise TypeError(f"MemorySpec: {arg} must be a {kind.__name__}, got {type(value).__name__}")
+        if not isinstance(self.optimizer, optax.GradientTransformation):
+            raise TypeError("MemorySpec: optimizer must be an optax GradientTransformation "
+                            f"(e.g. atlas_jax.optimizers.gd() or optax.adam(1e-2)), got {type(self.optimizer).__name__}")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ValueError(f"MemorySpec: window must be an int >= 1 (1 = the current token only), got {self.window!r}")
+        if self.retention.decay == "channel" and not isinstance(self.memory, LinearMemory):
+            raise ValueError("MemorySpec: channel retention decays the input-feature rows of a linear memory; "
+                             f"{self.memory.describe()} has none — use retention scalar()")
+        if self.steps > 1 and self.window > 1:
+            raise ValueError("MemorySpec: several inner steps per token and an Omega window > 1 cannot be "
+                             "combined; pick one")
+        if self.opt_kind == "least_squares" and not isinstance(self.memory, LinearMemory):
+            raise ValueError("MemorySpec: the least_squares optimizer needs a LinearMemory")
+
+    # ---- what the spec is ------------------------------------------------------------------
+    @property
+    def opt_kind(self) -> str:
+        return inner_opt.info(self.optimizer).kind
+
+    @property
+    def steps(self) -> int:
+        return inner_opt.info(self.optimizer).steps
+
+    def axes(self) -> dict:
+        """The four axes, readable back (this is what the preset table prints)."""
+        return {"memory": self.memory.describe(), "feature_map": self.feature_map.describe(),
+                "objective": self.objective.describe(), "window": self.window,
+                "optimizer": inner_opt.describe(self.optimizer), "retention": self.retention.describe()}
+
+    def feature_dim(self, d_k: int) -> int:
+        return self.feature_map.output_dim(d_k)
+
+    @property
+    def chunked_is_exact(self) -> bool:
+        return is_exact(self)
+
+    # ---- state ---------------------------------------------------------------------------
+    def init_state(self, key, *, batch: int, heads: int, d_k: int, d_v: int, params=None) -> MemoryState:
+        """A fresh state, leaves [batch, heads, ...]; θ_0 is drawn per head (shared over the batch)
+        unless ``params`` (leaves [heads, ...] or [batch, heads, ...]) is given."""
+        d_in = self.feature_dim(d_k)
+        if params is None:
+            keys = jax.random.split(key, heads)
+            raw = jax.vmap(lambda kk: self.memory.init(kk, d_in, d_v))(keys)
+            if self.retention.has_map:   # draw the accumulator, read θ through the map
+                acc = raw
+                params = jax.vmap(self.retention.map)(acc)
+            else:
+                params = raw
+            params = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,) + x.shape), params)
+        return self._state_from_params(params, batch, heads, d_v)
+
+    def _state_from_params(self, params, batch, heads, d_v) -> MemoryState:
+        params = jax.tree.map(lambda x: _broadcast_params(x, batch, heads), params)
+        per_head = lambda p: self._fresh_aux(p, d_v)
+        opt_state, acc, win = jax.vmap(jax.vmap(per_head))(params)
+        return MemoryState(params, opt_state, acc, win)
+
+    def _fresh_aux(self, params, d_v):
+        opt_state = optax.with_extra_args_support(self.optimizer).init(params)
+        acc = self.retention.inverse_map(params) if self.retention.has_map else None
+        win = None
+        if self.window > 1:
+            d_in = _input_dim(params, self.memory)
+            c = self.window - 1
+            win = WindowCache(jnp.zeros((c, d_in), jnp.float32), jnp.zeros((c, d_v), jnp.float32),
+                              jnp.zeros((c,), jnp.float32), jnp.zeros((c,), jnp.float32))
+        return opt_state, acc, win
+
+    # ---- running -------------------------------------------------------------------------
+    def __call__(self, q, k, v, *, beta=None, g=None, nu=None, gamma=None, delta=None,
+                 initial_state=None, output_final_state: bool = False, form: str = "recurrent",
+                 chunk_size: int = 64, feature_params=None, scale: float = 1.0):
+        """Run the memory over a sequence: returns (o [B, T, H, V], final MemoryState or None)."""
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if form == "chunked" and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        shapes = _check_inputs(self, q, k, v, beta, g, nu, gamma, delta)
+        batch, _, heads, d_k, d_v, n = shapes
+        state = self._coerce_state(initial_state, batch, heads, d_k, d_v)
+        if feature_params is None:
+            feature_params = self.feature_map.init_params()
+        o, final = _run(self, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
+                        form=form, chunk_size=chunk_size, steps=n)
+        return o.astype(v.dtype), (final if output_final_state else None)
+
+    def _coerce_state(self, initial_state, batch, heads, d_k, d_v) -> MemoryState:
+        if isinstance(initial_state, MemoryState):
+            return initial_state
+        if initial_state is None:
+            if not isinstance(self.memory, LinearMemory):
+                raise ValueError(f"initial_state: a {self.memory.describe()} memory needs its θ_0; pass "
+                                 "spec.init_state(key, batch=B, heads=H, d_k=K, d_v=V)")
+            return self.init_state(None, batch=batch, heads=heads, d_k=d_k, d_v=d_v,
+                                   params={"S": jnp.zeros((self.feature_dim(d_k), d_v), jnp.float32)})
+        if isinstance(initial_state, jax.Array) or hasattr(initial_state, "shape"):
+            if not isinstance(self.memory, LinearMemory):
+                raise ValueError("initial_state: a bare array is only accepted for a linear memory "
+                                 "(the fla-style [B, H, K, V] state); pass a MemoryState or a params dict")
+            expected = (batch, heads, self.feature_dim(d_k), d_v)
+            if tuple(initial_state.shape) != expected:
+                raise ValueError(f"initial_state: expected shape {expected} (B, H, d_φ, V), got {tuple(initial_state.shape)}")
+            initial_state = {"S": initial_state}
+        if isinstance(initial_state, dict):
+            return self._state_from_params(initial_state, batch, heads, d_v)
+        raise TypeError(f"initial_state: expected None, a MemoryState, a params dict or an array, "
+                        f"got {type(initial_state).__name__}")
+
+
+def _broadcast_params(x, batch, heads):
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim >= 2 and x.shape[:2] == (batch, heads):
+        return x
+    if x.ndim >= 1 and x.shape[0] == heads:
+        return jnp.broadcast_to(x, (batch,) + x.shape)
+    return jnp.broadcast_to(x, (batch, heads) + x.shape)
+
+
+def _input_dim(params, memory):
+    if isinstance(memory, LinearMemory):
+        return params["S"].shape[0]
+    first = params.get("W0", params.get("Wg"))
+    return first.shape[0]
+
+
+# ---- input checks ----------------------------------------------------------------------------
+def _check_float(name, x):
+    if x is not None and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype (float32/bfloat16), got {jnp.asarray(x).dtype}")
+
+
+def _check_inputs(spec, q, k, v, beta, g, nu, gamma, delta):
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("nu", nu),
+                    ("gamma", gamma), ("delta", delta)):
+        _check_float(name, x)
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    batch, time, heads, d_k = q.shape
+    n = spec.steps
+    if k.ndim == 5:
+        if k.shape[:3] != (batch, time, heads) or k.shape[4] != d_k or k.shape[3] != n:
+            raise ValueError(f"k with one key per inner step must be [B, T, H, n={n}, K={d_k}] matching q "
+                             f"{tuple(q.shape)}, got {tuple(k.shape)}")
+    elif k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
+    if v.ndim != k.ndim or v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v must be [B, T, H, V] (or [B, T, H, n, V] when k has n keys per token) "
+                         f"matching k {tuple(k.shape)}, got {tuple(v.shape)}")
+    d_v = v.shape[-1]
+    bth = (batch, time, heads)
+    if beta is not None and beta.shape not in (bth, bth + (n,)):
+        raise ValueError(f"beta must be [B, T, H] = {bth} (or [B, T, H, n] with n = {n} inner steps), "
+                         f"got {tuple(beta.shape)}")
+    for name, x in (("nu", nu), ("gamma", gamma), ("delta", delta)):
+        if x is not None and x.shape != bth:
+            raise ValueError(f"{name} must be [B, T, H] = {bth}, got {tuple(x.shape)}")
+    if delta is not None and not spec.objective.uses_delta:
+        raise ValueError(f"delta: the {spec.objective.describe()} objective has no per-token knob; drop delta")
+    if nu is not None and spec.opt_kind not in ("momentum", "muon", "optax"):
+        raise ValueError(f"nu: the {inner_opt.describe(spec.optimizer)} optimizer has no momentum; drop nu")
+    decay, uses_g = spec.retention.decay, spec.retention.needs_gate or spec.opt_kind == "least_squares"
+    if g is None and spec.retention.needs_gate:
+        raise ValueError(f"g: the {decay} retention needs per-token log-decays g (α = exp(g))")
+    if g is not None:
+        if not uses_g:
+            raise ValueError(f"g: this memory's retention is {spec.retention.describe()!r} (no per-token decay); "
+                             "drop g or choose retention scalar()/channel()")
+        d_in = spec.feature_dim(d_k)
+        if decay == "channel":
+            if g.shape != bth + (d_in,):
+                raise ValueError(f"g for channel retention must be [B, T, H, d_φ] = {bth + (d_in,)}, got {tuple(g.shape)}")
+        elif g.shape != bth:
+            raise ValueError(f"g for scalar retention must be [B, T, H] = {bth}, got {tuple(g.shape)}; "
+                             "a [B, T, H, K] gate needs retention channel()")
+    return batch, time, heads, d_k, d_v, n
+
+
+# ---- the run ---------------------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("spec", "form", "chunk_size", "steps"))
+def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, form, chunk_size, steps):
+    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+    q, k, v, beta, g, nu, gamma, delta = map(f32, (q, k, v, beta, g, nu, gamma, delta))
+    batch, time, heads, _ = q.shape
+    n = steps
+    fq = spec.feature_map.apply(feature_params, scale * q)
+    fk = spec.feature_map.apply(feature_params, k)
+    if spec.retention.log_decay is not None:
+        g = jnp.full((batch, time, heads), spec.retention.log_decay, jnp.float32)
+    if gamma is None:
+        gamma = jnp.ones((batch, time, heads), jnp.float32)
+
+    # Tokens → inner steps [B, T·n, H, ...].
+    if fk.ndim == 4:
+        fk, v = fk[:, :, :, None], v[:, :, :, None]
+    fk = jnp.broadcast_to(fk, (batch, time, heads, n, fk.shape[-1]))
+    v = jnp.broadcast_to(v, (batch, time, heads, n, v.shape[-1]))
+    first = (jnp.arange(n) == 0)
+    to_steps = lambda x: None if x is None else jnp.swapaxes(x, 2, 3).reshape((batch, time * n, heads) + x.shape[4:])
+    per_step = lambda x: None if x is None else to_steps(jnp.broadcast_to(x[:, :, :, None], (batch, time, heads, n) + x.shape[3:]))
+    beta_steps = None if beta is None else (to_steps(beta[..., None])[..., 0] if beta.ndim == 4 else per_step(beta))
+    g_steps = None
+    if g is not None:   # the decay acts once per token, on its first inner step
+        mask = first.reshape((1, 1, 1, n) + (1,) * (g.ndim - 3))
+        g_steps = to_steps(jnp.where(mask, jnp.broadcast_to(g[:, :, :, None], (batch, time, heads, n) + g.shape[3:]), 0.0))
+    steps_bsh = Steps(inputs=to_steps(fk), targets=to_steps(v), queries=per_step(fq), step_size=beta_steps,
+                      log_decay=g_steps, momentum_decay=per_step(nu), gates=per_step(gamma),
+                      delta=per_step(delta), active=jnp.ones((batch, time * n, heads), jnp.float32))
+    emit = slice(n - 1, None, n)
+
+    if form == "chunked" and is_exact(spec):
+        o, params = exact_chunked(spec, state.params, steps_bsh, chunk_size=chunk_size)
+        final = MemoryState(params, state.opt_state, None, None)
+        return o[:, emit], final
+
+    # Per-sequence, per-head forms: [B, H, S, ...] and vmap twice.
+    bhs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), steps_bsh)
+    total = time * n
+    if form == "recurrent":
+        run_one = lambda st, xs: recurrent_sequence(spec, st, xs)
+        padded = bhs
+    else:
+        pad = (-total) % chunk_size
+        padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
+        run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size)
+    final, o = jax.vmap(jax.vmap(run_one))(state, padded)
+    if form == "chunked" and spec.window > 1:
+        final = final._replace(window=_last_window(state.window, bhs, spec.window))
+    o = jnp.moveaxis(o[:, :, :total], 1, 2)  # [B, S, H, V]
+    return o[:, emit], final
+
+
+def _last_window(window: WindowCache, steps: Steps, c: int) -> WindowCache:
+    """The last c − 1 real steps (padding of the final chunk must not enter the cache)."""
+    keep = lambda cached, new: jnp.concatenate([cached, new], axis=2)[:, :, -(c - 1):]
+    delta = window.delta if steps.delta is None else keep(window.delta, steps.delta)
+    return WindowCache(keep(window.inputs, steps.inputs), keep(window.targets, steps.targets),
+                       keep(window.weights, steps.gates), delta)
