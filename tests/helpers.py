@@ -1,0 +1,61 @@
+"""Shared test helpers: random inputs (never zeros), relative errors, a float64 numpy reference."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rel(a, b) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (0 when both are 0)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a))
+
+
+def tree_rel(a, b) -> float:
+    return max(rel(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def unit(x, axis=-1):
+    return x / jnp.linalg.norm(x, axis=axis, keepdims=True)
+
+
+def random_inputs(seed, B=2, T=77, H=2, K=16, V=12, *, channel=False, extreme=False, d_gate=None):
+    """q, k (unit), v, beta = sigmoid(randn), g = logsigmoid(randn) (or ≤ −5 with ``extreme``)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = unit(jax.random.normal(ks[1], (B, T, H, K)))
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    gate_shape = (B, T, H, d_gate or K) if channel else (B, T, H)
+    g = jax.nn.log_sigmoid(jax.random.normal(ks[4], gate_shape))
+    if extreme:
+        g = g - 5.0
+    return q, k, v, beta, g
+
+
+def numpy_delta_family(q, k, v, beta, g=None, *, delta=True, scale=1.0, S0=None):
+    """The per-token semantics of DESIGN.md §4 as a float64 numpy loop (independent of JAX)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    beta = np.ones((B, T, H)) if beta is None else np.asarray(beta, np.float64)
+    S = np.zeros((B, H, K, V)) if S0 is None else np.array(S0, np.float64)
+    o = np.zeros((B, T, H, V))
+    for b in range(B):
+        for h in range(H):
+            s = S[b, h]
+            for t in range(T):
+                if g is not None:
+                    gt = np.asarray(g, np.float64)[b, t, h]
+                    s = (np.exp(gt)[:, None] * s) if np.ndim(gt) == 1 else np.exp(gt) * s
+                kt, vt = k[b, t, h], v[b, t, h]
+                if delta:
+                    s = s + beta[b, t, h] * np.outer(kt, vt - s.T @ kt)
+                else:
+                    s = s + beta[b, t, h] * np.outer(kt, vt)
+                o[b, t, h] = s.T @ (scale * q[b, t, h])
+            S[b, h] = s
+    return o, S
