@@ -69,14 +69,13 @@ def info(opt) -> OptimizerInfo:
 
 def describe(opt) -> str:
     i = info(opt)
-    text = {
-        "gd": "GD",
-        "momentum": "GD + momentum",
-        "muon": f"GD + momentum + Newton–Schulz (J={i.ns_steps})",
-        "implicit_gd": "implicit GD",
-        "least_squares": f"exact least squares over all past (ridge λ={i.ridge:g}, gated statistics)",
-        "optax": "optax transform",
-    }[i.kind]
+    if i.kind == "muon":
+        text = f"GD + momentum + Newton–Schulz (J={i.ns_steps})"
+    elif i.kind == "least_squares":
+        text = f"exact least squares over all past (ridge λ={i.ridge:g}, gated statistics)"
+    else:
+        text = {"gd": "GD", "momentum": "GD + momentum", "implicit_gd": "implicit GD",
+                "optax": "optax transform"}[i.kind]
     return f"{i.steps} × {text} per token" if i.steps > 1 else text
 
 

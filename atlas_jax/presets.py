@@ -27,7 +27,7 @@ from atlas_jax.features import EluPlusOne, ExpTaylor, Identity, Polynomial
 from atlas_jax.memory import GatedMLPMemory, LinearMemory, MLPMemory
 from atlas_jax.spec import MemorySpec
 
-__all__ = ["get", "names", "table", "markdown_table", "ClosedForm", "PRESETS"]
+__all__ = ["get", "names", "table", "markdown_table", "from_config", "ClosedForm", "PRESETS"]
 
 
 @dataclass(frozen=True)
@@ -223,3 +223,17 @@ def markdown_table() -> str:
     for row in table():
         lines.append("| " + " | ".join([row["preset"]] + [row[c] for c in _COLUMNS]) + " |")
     return "\n".join(lines)
+
+
+def from_config(path, overrides=()):
+    """The preset named in a model config YAML (``configs/models/<preset>.yml``) with its options,
+    then ``key=value`` overrides of those options."""
+    from atlas_jax.config import load_yaml, parse_overrides
+
+    data = load_yaml(path)
+    unknown = sorted(set(data) - {"preset", "options"})
+    if unknown or "preset" not in data:
+        raise ValueError(f"model config {str(path)!r}: expected keys 'preset' and 'options', got {sorted(data)}")
+    options = dict(data.get("options") or {})
+    options.update(parse_overrides(overrides))
+    return get(data["preset"], **options)

@@ -114,6 +114,15 @@ class MemorySpec:
         opt_state, acc, win = jax.vmap(jax.vmap(per_head))(params)
         return MemoryState(params, opt_state, acc, win)
 
+    def _check_state(self, state: MemoryState, d_v) -> None:
+        """A MemoryState made for another optimizer, retention or window cannot be continued."""
+        expected = jax.eval_shape(lambda p: jax.vmap(jax.vmap(lambda x: self._fresh_aux(x, d_v)))(p), state.params)
+        given = (state.opt_state, state.accumulator, state.window)
+        for part, exp, got in zip(("opt_state", "accumulator", "window"), expected, given):
+            if jax.tree.structure(exp) != jax.tree.structure(got):
+                raise ValueError(f"initial_state: its {part} was made for a different inner optimizer, retention "
+                                 "or window than this spec's; pass initial_state=state.params to start them fresh")
+
     def _fresh_aux(self, params, d_v):
         opt_state = optax.with_extra_args_support(self.optimizer).init(params)
         acc = self.retention.inverse_map(params) if self.retention.has_map else None
@@ -145,6 +154,7 @@ class MemorySpec:
 
     def _coerce_state(self, initial_state, batch, heads, d_k, d_v) -> MemoryState:
         if isinstance(initial_state, MemoryState):
+            self._check_state(initial_state, d_v)
             return initial_state
         if initial_state is None:
             if not isinstance(self.memory, LinearMemory):

@@ -1,0 +1,1 @@
+"""Pallas kernels for the exact chunked delta family (DeltaNet, Gated DeltaNet, KDA) on GPU and TPU."""
