@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""GPU check and benchmark of the Pallas (Triton) delta-family kernels against XLA and fla.
+
+Run on an H100/H200 (jax 0.11.x, torch; fla optional), from the repository root:
+
+    python benchmarks/gpu_delta_family.py 2>&1 | tee $OUT/log
+
+Parts (env PARTS, comma separated, default "check,bench,fla,tune"):
+  check  correctness on GPU: Pallas vs the exact XLA chunk form (float32, HIGHEST precision) at
+         a few shapes, float32 and bf16, outputs, final states and all gradients (max relative
+         errors printed; the bar is 1e-5 in float32 and 1e-2 in bf16), plus packed varlen.
+  bench  fwd and fwd+bwd times of gated_delta_rule (gdn), delta_rule and kda: Pallas, Pallas
+         with bf16 residual states, and the XLA chunk form; inputs made as fla makes them
+         (q, k L2-normalised, g = logsigmoid(randn), beta = sigmoid(randn), bf16, g float32).
+  fla    the same with fla's chunk_gated_delta_rule / chunk_delta_rule / chunk_kda in this
+         process (as ../shared/bench/anchors_gpu.py does), if `import fla` works.
+  tune   gdn fwd and fwd+bwd at the first shape for a few GpuBlockSizes (warps, V blocks,
+         pipeline stages, residual storage dtypes): which defaults to keep.
+Rough durations (compiles included): check 5-8 min, bench 3-5 min per shape, tune 3-5 min; the
+command limit is 10 min, so run e.g. PARTS=check, then PARTS=bench,fla, then PARTS=tune.
+Env: SHAPES="4,4096,16,128;1,16384,16,128" (B,T,H,D; ';' separated), OPS="gdn,deltanet,kda",
+     VARIANTS="pallas,pallas_h16,xla", REPS (timed repetitions, default 30), OUT (JSON goes to
+     $OUT/gpu_delta_family.json), INTERPRET=1 (Pallas interpret mode: a CPU smoke test of this
+     script, e.g. PARTS=bench SHAPES=1,64,1,16 REPS=2). Every variant runs in its own try/except.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _import_kernels():
+    """atlas_jax.kernels is the repo's kernels/ folder; map it by hand when not pip-installed."""
+    try:
+        from atlas_jax.kernels.delta_family import gpu  # noqa: F401
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(
+            "atlas_jax.kernels", ROOT / "kernels" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "kernels")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["atlas_jax.kernels"] = mod
+        spec.loader.exec_module(mod)
+    from atlas_jax.kernels.delta_family import gpu
+    return gpu
+
+
+gpu = _import_kernels()
+from atlas_jax.ops.delta_family import chunk_delta_family  # noqa: E402
+
+PARTS = os.environ.get("PARTS", "check,bench,fla,tune").split(",")
+SHAPES = [tuple(int(x) for x in s.split(","))
+          for s in os.environ.get("SHAPES", "4,4096,16,128;1,16384,16,128").split(";") if s]
+OPS = os.environ.get("OPS", "gdn,deltanet,kda").split(",")
+VARIANTS = os.environ.get("VARIANTS", "pallas,pallas_h16,xla").split(",")
+REPS = int(os.environ.get("REPS", "30"))
+INTERPRET = os.environ.get("INTERPRET") == "1"     # CPU smoke test of this script only
+RESULTS = {"device": str(jax.devices()[0]), "jax": jax.__version__, "check": {}, "bench": {}}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def rel(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    n = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / n) if n > 0 else float(np.linalg.norm(a))
+
+
+def save():
+    out = os.environ.get("OUT")
+    if out:
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        with open(os.path.join(out, "gpu_delta_family.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def make_inputs(B, T, H, K, V, gate, dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+
+    def l2(x):
+        return x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+
+    q = l2(jax.random.normal(ks[0], (B, T, H, K))).astype(dtype)
+    k = l2(jax.random.normal(ks[1], (B, T, H, K))).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, H, V)).astype(dtype)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H))).astype(dtype)
+    g = None
+    if gate == "scalar":
+        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    elif gate == "channel":
+        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H, K)))
+    do = jax.random.normal(ks[5], (B, T, H, V)).astype(dtype)
+    return q, k, v, beta, g, do
+
+
+GATE_OF = {"gdn": "scalar", "deltanet": "none", "kda": "channel"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness on GPU
+
+
+def check_shape(name, B, T, H, K, V, gate, dtype, cu=None, chunk=64):
+    q, k, v, beta, g, _ = make_inputs(B, T, H, K, V, gate, dtype, seed=1)
+    n = B if cu is None else len(cu) - 1
+    s0 = jax.random.normal(jax.random.PRNGKey(2), (n, H, K, V), jnp.float32) * 0.1
+    wo = jax.random.normal(jax.random.PRNGKey(3), (B, T, H, V), jnp.float32)
+    ws = jax.random.normal(jax.random.PRNGKey(4), (n, H, K, V), jnp.float32)
+    scale = 1.0 / math.sqrt(K)
+
+    def pallas(q, k, v, beta, g, s0):
+        return gpu.chunk_delta_family_gpu(
+            q, k, v, beta, g, scale=scale, initial_state=s0, output_final_state=True,
+            chunk_size=chunk, cu_seqlens=None if cu is None else jnp.asarray(cu, jnp.int32),
+            interpret=INTERPRET)
+
+    def ref(q, k, v, beta, g, s0):
+        f = lambda x: None if x is None else x.astype(jnp.float32)   # noqa: E731
+        q, k, v, beta, g = f(q), f(k), f(v), f(beta), f(g)
+        if cu is None:
+            return chunk_delta_family(q, k, v, beta, g, scale=scale, initial_state=s0,
+                                      output_final_state=True, chunk_size=chunk)
+        os_, ss = [], []
+        for i in range(n):
+            a, b = cu[i], cu[i + 1]
+            if a == b:
+                ss.append(s0[i])
+                continue
+            sl = slice(a, b)
+            o, s = chunk_delta_family(q[:, sl], k[:, sl], v[:, sl], beta[:, sl],
+                                      None if g is None else g[:, sl], scale=scale,
+                                      initial_state=s0[i:i + 1], output_final_state=True,
+                                      chunk_size=chunk)
+            os_.append(o)
+            ss.append(s[0])
+        return jnp.concatenate(os_, axis=1), jnp.stack(ss)
+
+    args = (q, k, v, beta, g, s0)
+    argnums = tuple(i for i, a in enumerate(args) if a is not None)
+
+    def loss(fn):
+        def f(*a):
+            o, s = fn(*a)
+            return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s * ws)
+        return jax.jit(jax.grad(f, argnums=argnums))
+
+    o1, s1 = jax.jit(pallas)(*args)
+    o2, s2 = jax.jit(ref)(*args)
+    errs = {"o": rel(o1, o2), "final_state": rel(s1, s2)}
+    g1 = loss(pallas)(*args)
+    g2 = loss(ref)(*args)
+    for i, a, b in zip(argnums, g1, g2):
+        errs["d" + "q k v beta g s0".split()[i]] = rel(a, b)
+        if not bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))):
+            errs["nonfinite_d" + "q k v beta g s0".split()[i]] = True
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    worst = max(v_ for v_ in errs.values() if isinstance(v_, float))
+    status = "OK " if worst < tol else "BAD"
+    log(f"[check] {status} {name:34s} max rel {worst:.2e} (tol {tol:g})  " +
+        " ".join(f"{k_}={v_:.1e}" for k_, v_ in errs.items() if isinstance(v_, float)))
+    RESULTS["check"][name] = dict(errs, max=worst, ok=worst < tol)
+
+
+def run_checks():
+    cases = []
+    for gate in ("none", "scalar", "channel"):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            dn = "f32" if dtype == jnp.float32 else "bf16"
+            cases.append((f"{gate}/{dn}/B2T1000H4D128", (2, 1000, 4, 128, 128, gate, dtype)))
+        cases.append((f"{gate}/bf16/B1T333H2K64V256", (1, 333, 2, 64, 256, gate, jnp.bfloat16)))
+        cases.append((f"{gate}/f32/B1T300H2K256V64c32",
+                      (1, 300, 2, 256, 64, gate, jnp.float32), 32))
+        cases.append((f"{gate}/bf16/varlen/T777H4D128",
+                      (1, 777, 4, 128, 128, gate, jnp.bfloat16), 64, [0, 100, 101, 600, 777]))
+    for case in cases:
+        name, shp = case[0], case[1]
+        chunk = case[2] if len(case) > 2 else 64
+        cu = case[3] if len(case) > 3 else None
+        try:
+            t = time.perf_counter()
+            check_shape(name, *shp, cu=cu, chunk=chunk)
+            log(f"        ({time.perf_counter() - t:.1f}s incl. compile)")
+        except Exception as e:  # noqa: BLE001
+            log(f"[check] ERR {name}: {type(e).__name__}: {str(e)[:2000]}")
+            traceback.print_exc()
+            RESULTS["check"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        save()
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_jax(f, *args, reps=REPS, inner=5):
+    """Median over `reps` of (time of `inner` back-to-back calls) / inner, after warmup."""
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / inner)
+    return statistics.median(ts) * 1e3
+
+
+def jax_fns(variant, gate, K):
+    scale = 1.0 / math.sqrt(K)
+    if variant.startswith("pallas"):
+        bs = gpu.GpuBlockSizes(state_dtype="input") if variant == "pallas_h16" else None
+
+        def fwd(q, k, v, beta, g):
+            return gpu.chunk_delta_family_gpu(q, k, v, beta, g, scale=scale, chunk_size=64,
+                                              interpret=INTERPRET, block_sizes=bs)[0]
+    elif variant == "xla":
+        def fwd(q, k, v, beta, g):
+            return chunk_delta_family(q, k, v, beta, g, scale=scale, chunk_size=64)[0]
+    else:
+        raise ValueError(variant)
+
+    def fwdbwd(q, k, v, beta, g, do):
+        o, vjp = jax.vjp(fwd, q, k, v, beta, g)
+        return vjp(do)
+
+    return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def bench_jax(shape):
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    res = RESULTS["bench"].setdefault(key, {})
+    for op in OPS:
+        gate = GATE_OF[op]
+        q, k, v, beta, g, do = make_inputs(B, T, H, D, D, gate, jnp.bfloat16)
+        for variant in VARIANTS:
+            if variant == "pallas_h16" and op != "gdn":
+                continue
+            fwd, fwdbwd = jax_fns(variant, gate, D)
+            for mode, fn, args in (("fwd", fwd, (q, k, v, beta, g)),
+                                   ("fwdbwd", fwdbwd, (q, k, v, beta, g, do))):
+                name = f"{op}/{variant}/{mode}"
+                try:
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(*args))
+                    comp = time.perf_counter() - t0
+                    ms = time_jax(fn, *args)
+                    res[name] = ms
+                    log(f"[bench] {key} {name:28s} {ms:8.3f} ms   (first call {comp:.1f}s)")
+                except Exception as e:  # noqa: BLE001
+                    res[name] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                    log(f"[bench] {key} {name:28s} ERROR {type(e).__name__}: {str(e)[:1500]}")
+                save()
+        del q, k, v, beta, g, do
+
+
+def bench_fla(shape):
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    res = RESULTS["bench"].setdefault(key, {})
+    try:
+        import torch
+        import triton.testing as tt
+        import fla.ops.common.chunk_o as _co
+        _co.TRITON_ABOVE_3_7_1 = True   # timing only: fla's Triton<3.7.1 Hopper guard (issue 640)
+        from fla.ops.delta_rule import chunk_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        try:
+            from fla.ops.kda import chunk_kda
+        except Exception:  # noqa: BLE001
+            chunk_kda = None
+    except Exception as e:  # noqa: BLE001
+        log(f"[fla] not available: {type(e).__name__}: {e}")
+        RESULTS["fla_error"] = repr(e)[:300]
+        return
+    dev = "cuda"
+    bf = torch.bfloat16
+
+    def mk(*s):
+        return torch.randn(*s, device=dev, dtype=bf)
+
+    q = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
+    k = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
+    v = mk(B, T, H, D).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev)).requires_grad_()
+    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=dev)).requires_grad_()
+    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf).requires_grad_()
+    do = mk(B, T, H, D)
+    cases = {"gdn": lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
+             "deltanet": lambda: chunk_delta_rule(q, k, v, beta)[0]}
+    if chunk_kda is not None:
+        cases["kda"] = lambda: chunk_kda(q, k, v, gk, beta)[0]
+
+    def bench(f):
+        for _ in range(6):
+            f()
+        torch.cuda.synchronize()
+        return tt.do_bench(f, warmup=40, rep=200, return_mode="median")
+
+    for op, f in cases.items():
+        if op not in OPS:
+            continue
+        try:
+            res[f"{op}/fla/fwd"] = bench(f)
+            log(f"[fla]   {key} {op}/fla/fwd {res[f'{op}/fla/fwd']:8.3f} ms")
+
+            def fb():
+                f().backward(do)
+            res[f"{op}/fla/fwdbwd"] = bench(fb)
+            log(f"[fla]   {key} {op}/fla/fwdbwd {res[f'{op}/fla/fwdbwd']:8.3f} ms")
+        except Exception as e:  # noqa: BLE001
+            res[f"{op}/fla/error"] = repr(e)[:300]
+            log(f"[fla]   {key} {op} ERROR {e!r}"[:1500])
+        save()
+    del q, k, v, g, gk, beta, do
+    torch.cuda.empty_cache()
+
+
+TUNE = {
+    "default": {},
+    "state_w8": dict(num_warps_state=8),
+    "state_bv32": dict(block_v=32),
+    "state_stages3": dict(num_stages_state=3),
+    "bwd_bv32": dict(block_v_bwd=32),
+    "bwd_w4": dict(num_warps_bwd=4),
+    "intra_w8": dict(num_warps_intra=8),
+    "h_bf16": dict(state_dtype="input"),
+    "wu_f32": dict(inter_dtype="float32"),
+}
+
+
+def tune(shape):
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    res = RESULTS.setdefault("tune", {}).setdefault(key, {})
+    q, k, v, beta, g, do = make_inputs(B, T, H, D, D, "scalar", jnp.bfloat16)
+    scale = 1.0 / math.sqrt(D)
+    for name, kw in TUNE.items():
+        bs = gpu.GpuBlockSizes(**kw)
+
+        def fwd(q, k, v, beta, g, bs=bs):
+            return gpu.chunk_delta_family_gpu(q, k, v, beta, g, scale=scale, chunk_size=64,
+                                              interpret=INTERPRET, block_sizes=bs)[0]
+
+        def fwdbwd(q, k, v, beta, g, do, fwd=fwd):
+            return jax.vjp(fwd, q, k, v, beta, g)[1](do)
+
+        for mode, fn, args in (("fwd", jax.jit(fwd), (q, k, v, beta, g)),
+                               ("fwdbwd", jax.jit(fwdbwd), (q, k, v, beta, g, do))):
+            try:
+                res[f"{name}/{mode}"] = ms = time_jax(fn, *args)
+                log(f"[tune]  {key} gdn {name:14s} {mode:7s} {ms:8.3f} ms")
+            except Exception as e:  # noqa: BLE001
+                res[f"{name}/{mode}"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                log(f"[tune]  {key} gdn {name:14s} {mode:7s} ERROR {type(e).__name__}: "
+                    f"{str(e)[:1000]}")
+            save()
+
+
+def table():
+    log("\n=== summary (ms, bf16; ratio = fla / ours: > 1 means we are faster) ===")
+    for key, res in RESULTS["bench"].items():
+        log(f"-- {key}")
+        for op in OPS:
+            for mode in ("fwd", "fwdbwd"):
+                fla = res.get(f"{op}/fla/{mode}")
+                row = [f"{op:9s} {mode:7s}"]
+                for variant in VARIANTS + ["fla"]:
+                    val = res.get(f"{op}/{variant}/{mode}")
+                    if isinstance(val, float):
+                        r = f" x{fla / val:.2f}" if isinstance(fla, float) and variant != "fla" else ""
+                        row.append(f"{variant}={val:.3f}{r}")
+                    elif val is not None:
+                        row.append(f"{variant}=ERR")
+                log("  " + "  ".join(row))
+
+
+def main():
+    log(f"device {RESULTS['device']}  jax {jax.__version__}  parts {PARTS}  shapes {SHAPES}")
+    if "check" in PARTS:
+        run_checks()
+    for shape in SHAPES:
+        if "bench" in PARTS:
+            bench_jax(shape)
+        if "fla" in PARTS:
+            bench_fla(shape)
+    if "tune" in PARTS and SHAPES:
+        tune(SHAPES[0])
+    table()
+    save()
+    log("DONE " + json.dumps({k: v for k, v in RESULTS.items() if k != "check"}, default=str))
+
+
+if __name__ == "__main__":
+    main()

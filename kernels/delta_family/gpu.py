@@ -1,0 +1,536 @@
+"""Exact chunked delta family (DeltaNet, Gated DeltaNet, KDA) as Pallas kernels for GPU (Hopper).
+
+Why the Pallas *Triton* lowering (`jax.experimental.pallas.triton`) and not Mosaic GPU: it runs
+unchanged in Pallas interpret mode on CPU (how CI tests these kernels), its small API
+(`pallas_call`, `BlockSpec`, `pl.ds`, `CompilerParams(num_warps, num_stages)`) is the same in
+jax 0.10.2 and 0.11.2, and Triton is what flash-linear-attention uses, so benchmarks compare like
+with like. Mosaic GPU (wgmma, barriers, TMA) cannot run in interpret mode and its API moved a lot
+between those versions; it is deprecated-free but would be a separate, GPU-only code path.
+
+Semantics (per token t, state S in R^{K x V}, float32), as `atlas_jax.ops.chunk_delta_family`:
+    S <- exp(g_t) * S          (g None: no decay; [B,T,H]: scalar; [B,T,H,K]: per key row of S)
+    S <- S + beta_t k_t (v_t - S^T k_t)^T
+    o_t = S^T (scale q_t)
+
+Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks:
+  forward   K1 intra  grid (NT, B, H): blocked (I + diag(beta) A)^-1, W, U0 (+ P for KDA)
+            K2 state  grid (NS, H, V/BV): sequential over chunks, fused output O and final state
+  backward  K3 state  grid (NS, H, V/BV): reverse pass for dS per chunk and dU
+            K4 intra  grid (NT, B, H): dq, dk, dv, dbeta, dg (KDA: + K4b sub-block kernel)
+Plain XLA glue: padding T to a multiple of C and the packed-varlen layout (each sequence starts
+on a chunk boundary, so no state crosses a boundary; sequences are chunk ranges of the state
+passes). On CPU the same kernels run with `interpret=True`.
+
+Supported: forward and backward (`jax.custom_vjp`; gradients for q, k, v, beta, g and the
+initial state; final-state cotangent), bf16 or float32 inputs (float32 accumulation, float32
+solves/states), head dims K, V in {64, 128, 256} on GPU (powers of two from 16 in interpret
+mode), any T, chunk 16/32/64, `cu_seqlens` (B = 1 packed), in-kernel L2 normalisation of q, k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from atlas_jax.kernels.delta_family import gpu_kernels as gk
+
+F32 = jnp.float32
+_FN = "chunk_delta_family_gpu"
+GPU_HEAD_DIMS = (64, 128, 256)
+INTERPRET_HEAD_DIMS = (16, 32, 64, 128, 256)
+CHUNK_SIZES = (16, 32, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSizes:
+    """Tiling and launch parameters of the GPU kernels (None: a heuristic from the shapes).
+
+    block_v:       V block of the sequential state passes; V / block_v programs per (seq, head)
+                   run in parallel (64 for V = 128 gives B*H*2 programs).
+    block_v_bwd:   V block of the loop inside the intra-chunk backward kernel (register use).
+    inter_dtype:   storage of W and U0 between the kernels: "float32" or "input" (bf16 for bf16
+                   inputs: half the traffic, slightly less accurate).
+    state_dtype:   storage of the per-chunk states h and dh kept for the backward.
+    """
+    block_v: int | None = None
+    block_v_bwd: int | None = None
+    num_warps_intra: int | None = None
+    num_warps_state: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_intra: int = 1
+    num_stages_state: int | None = None
+    num_stages_bwd: int = 1
+    inter_dtype: str = "input"
+    state_dtype: str = "float32"
+
+    def resolve(self, K, V, programs=None, gate=None, low=True):
+        """Fills the None fields; `programs` = sequences x heads of the sequential passes.
+
+        Warp defaults come from ptxas register/spill reports of the kernels compiled for sm_90
+        (Triton 3.9, bf16, K = V = 128): the KDA intra-chunk forward spills 2.8 KB per thread
+        at 4 warps and 0.6 KB at 8; the intra-chunk backward needs 8 (16 halves the register
+        cap and spills more); the state passes spill < 300 B at 4 or 8 warps. Two pipeline
+        stages in the state passes double their shared memory: fine for bf16 with K <= 128
+        (<= 150 KB), over Hopper's 227 KB for K = 256 KDA (282 KB) and at the limit for float32
+        KDA (224 KB), so those use one stage.
+        """
+        bv = self.block_v
+        if bv is None:
+            # One program per (sequence, head, V block) runs the sequential chunk loop: aim at
+            # >= 128 of them (one per SM on H100/H200) without V blocks below 32.
+            bv = min(V, 64)
+            while programs is not None and bv > 32 and programs * (V // bv) < 128:
+                bv //= 2
+        bvb = self.block_v_bwd or min(V, 32 if K >= 256 else 64)
+        big = max(K, V) >= 256
+        return dataclasses.replace(
+            self, block_v=bv, block_v_bwd=bvb,
+            num_warps_intra=self.num_warps_intra or (8 if big or gate == "channel" else 4),
+            num_warps_state=self.num_warps_state or (8 if K >= 256 else 4),
+            num_warps_bwd=self.num_warps_bwd or 8,
+            num_stages_state=self.num_stages_state or (2 if low and K <= 128 else 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    kc: gk.KernelCfg
+    bs: GpuBlockSizes
+    interpret: bool
+    n_seq: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _float_array(name, x, allow_none=False):
+    if x is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{_FN}: argument `{name}` is required.")
+    if not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if x.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"{_FN}: argument `{name}` must be float32 or bfloat16; got {x.dtype}.")
+    return x
+
+
+def _check(name, x, shape, layout):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{_FN}: argument `{name}` must have shape {layout} = {tuple(shape)}; "
+                         f"got {tuple(x.shape)}.")
+
+
+def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret, block_sizes):
+    q, k, v = _float_array("q", q), _float_array("k", k), _float_array("v", v)
+    if q.ndim != 4:
+        raise ValueError(f"{_FN}: argument `q` must have layout [B, T, H, K]; got shape "
+                         f"{tuple(q.shape)}.")
+    B, T, H, K = q.shape
+    _check("k", k, (B, T, H, K), "[B, T, H, K]")
+    if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"{_FN}: argument `v` must have shape [B, T, H, V] with (B, T, H) = "
+                         f"{(B, T, H)}; got {tuple(v.shape)}.")
+    V = v.shape[-1]
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{_FN}: arguments `q`, `k`, `v` must share one dtype; got {q.dtype}, "
+                        f"{k.dtype}, {v.dtype}.")
+    if T < 1:
+        raise ValueError(f"{_FN}: argument `q` must have at least one token (T >= 1); got T = {T}.")
+    dims = INTERPRET_HEAD_DIMS if interpret else GPU_HEAD_DIMS
+    for name, d in (("q", K), ("v", V)):
+        if d not in dims:
+            where = ("in interpret mode" if interpret else
+                     "on GPU (the Triton kernels; other sizes run in interpret mode only)")
+            raise ValueError(f"{_FN}: argument `{name}` has head dim {d}; supported {where}: "
+                             f"{dims}. Pad the head dim or use atlas_jax.ops.chunk_delta_family.")
+    beta = _float_array("beta", beta, allow_none=True)
+    if beta is not None:
+        _check("beta", beta, (B, T, H), "[B, T, H]")
+    g = _float_array("g", g, allow_none=True)
+    if g is not None and g.ndim == 3:
+        _check("g", g, (B, T, H), "[B, T, H]")
+    elif g is not None:
+        _check("g", g, (B, T, H, K), "[B, T, H, K] (or [B, T, H] for a scalar gate)")
+    if not _is_int(chunk_size) or int(chunk_size) not in CHUNK_SIZES:
+        raise ValueError(f"{_FN}: argument `chunk_size` must be one of {CHUNK_SIZES}; got "
+                         f"{chunk_size!r}.")
+    n_seq = B
+    if cu_seqlens is not None:
+        if not hasattr(cu_seqlens, "dtype"):
+            cu_seqlens = np.asarray(cu_seqlens)
+        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise TypeError(f"{_FN}: argument `cu_seqlens` must be an integer array; got "
+                            f"{cu_seqlens.dtype}.")
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"{_FN}: argument `cu_seqlens` must have shape [N + 1] with N >= 1 "
+                             f"sequences; got {tuple(cu_seqlens.shape)}.")
+        if B != 1:
+            raise ValueError(f"{_FN}: argument `cu_seqlens` needs packed sequences in a batch of "
+                             f"one (B = 1); got B = {B}.")
+        n_seq = cu_seqlens.shape[0] - 1
+        if isinstance(cu_seqlens, np.ndarray):
+            c = cu_seqlens.astype(np.int64)
+            if c[0] != 0 or c[-1] != T or np.any(np.diff(c) < 0):
+                raise ValueError(f"{_FN}: argument `cu_seqlens` must be non-decreasing offsets "
+                                 f"from 0 to T = {T}; got {c.tolist()}.")
+        cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    if initial_state is not None:
+        initial_state = _float_array("initial_state", initial_state)
+        _check("initial_state", initial_state, (n_seq, H, K, V),
+               "[N, H, K, V] (N = number of sequences)" if cu_seqlens is not None
+               else "[B, H, K, V]")
+    bs = block_sizes or GpuBlockSizes()
+    if not isinstance(bs, GpuBlockSizes):
+        raise TypeError(f"{_FN}: argument `block_sizes` must be a GpuBlockSizes; got "
+                        f"{type(bs).__name__}.")
+    gate = None if g is None else ("scalar" if g.ndim == 3 else "channel")
+    bs = bs.resolve(K, V, programs=n_seq * H, gate=gate, low=q.dtype == jnp.bfloat16)
+    for name, b in (("block_v", bs.block_v), ("block_v_bwd", bs.block_v_bwd)):
+        if not _is_int(b) or b < 16 or b & (b - 1) or V % b:
+            raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two >= 16 "
+                             f"dividing V = {V}; got {b!r}.")
+    for name in ("inter_dtype", "state_dtype"):
+        if getattr(bs, name) not in ("float32", "input"):
+            raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be 'float32' or "
+                             f"'input'; got {getattr(bs, name)!r}.")
+    return q, k, v, beta, g, initial_state, cu_seqlens, n_seq, bs
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call plumbing
+
+
+def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret):
+    """ins: [(name, array, BlockSpec)], outs: [(name, ShapeDtypeStruct, BlockSpec)]."""
+    names = [n for n, _, _ in ins] + [n for n, _, _ in outs]
+
+    def kernel(*refs):
+        body(dict(zip(names, refs)))
+
+    res = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[s for _, _, s in ins],
+        out_specs=[s for _, _, s in outs],
+        out_shape=[sd for _, sd, _ in outs],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*[a for _, a, _ in ins])
+    return dict(zip([n for n, _, _ in outs], res))
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _chunk_specs(C):
+    """BlockSpecs of per-chunk kernels, grid (NT, B, H)."""
+    def rows(d):
+        return pl.BlockSpec((None, C, None, d), lambda n, b, h: (b, n, h, 0))
+    vec = pl.BlockSpec((None, C, None), lambda n, b, h: (b, n, h))
+    return rows, vec
+
+
+def _seq_specs(st, Tp, NT):
+    """BlockSpecs of the sequential kernels, grid (NS, H, V / BV)."""
+    kc = st.kc
+    var = kc.varlen
+    bv = kc.block_v
+
+    def full(d):
+        return pl.BlockSpec((None, Tp, None, d), lambda s, h, j: (0 if var else s, 0, h, 0))
+
+    vblk = pl.BlockSpec((None, Tp, None, bv), lambda s, h, j: (0 if var else s, 0, h, j))
+    vec = pl.BlockSpec((None, Tp, None), lambda s, h, j: (0 if var else s, 0, h))
+    state = pl.BlockSpec((None, None, kc.K, bv), lambda s, h, j: (s, h, 0, j))
+    hs = pl.BlockSpec((None, NT, None, kc.K, bv), lambda s, h, j: (0 if var else s, 0, h, 0, j))
+    offs = pl.BlockSpec((st.n_seq + 1,), lambda s, h, j: (0,))
+    return full, vblk, vec, state, hs, offs
+
+
+def _inter_dtype(bs, dtype):
+    return dtype if bs.inter_dtype == "input" else F32
+
+
+def _state_dtype(bs, dtype):
+    return dtype if bs.state_dtype == "input" else F32
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward on the padded layout [B, Tp, H, *] (Tp a multiple of C)
+
+
+def _gate_spec(kc, rows, vec):
+    return vec if kc.gate == "scalar" else rows(kc.K)
+
+
+def _forward(st: _Static, q, k, v, beta, g, s0, offs, save):
+    kc, bs = st.kc, st.bs
+    B, Tp, H, K = q.shape
+    V, C = kc.V, kc.C
+    NT = Tp // C
+    NS = st.n_seq
+    rows, vec = _chunk_specs(C)
+    idt = _inter_dtype(bs, q.dtype)
+
+    # K1: intra-chunk forward.
+    ins = [("k", k, rows(K)), ("v", v, rows(V)), ("beta", beta, vec)]
+    if kc.gate != "none":
+        ins.append(("g", g, _gate_spec(kc, rows, vec)))
+    if kc.gate == "channel":
+        ins.append(("q", q, rows(K)))
+    outs = [("w", _sds((B, Tp, H, K), idt), rows(K)), ("u0", _sds((B, Tp, H, V), idt), rows(V))]
+    if save:
+        outs.append(("tmat", _sds((B, Tp, H, C), F32), rows(C)))
+    if kc.gate == "channel":
+        outs.append(("p", _sds((B, Tp, H, C), F32), rows(C)))
+    r1 = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=save), (NT, B, H), ins,
+               outs, name="delta_intra_fwd", num_warps=bs.num_warps_intra,
+               num_stages=bs.num_stages_intra, interpret=st.interpret)
+
+    # K2: sequential state pass with fused output.
+    full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
+    kc2 = dataclasses.replace(kc, store_h=save)
+    ins = [("q", q, full(K)), ("k", k, full(K)), ("w", r1["w"], full(K)), ("u0", r1["u0"], vblk)]
+    if kc.gate == "scalar":
+        ins.append(("g", g, svec))
+    elif kc.gate == "channel":
+        ins += [("g", g, full(K)), ("p", r1["p"], full(C))]
+    if kc.has_s0:
+        ins.append(("s0", s0, state))
+    if kc.varlen:
+        ins.append(("offs", offs, ospec))
+    outs = [("o", _sds((B, Tp, H, V), v.dtype), vblk), ("sT", _sds((NS, H, K, V), F32), state)]
+    if save:
+        outs.append(("h", _sds((B, NT, H, K, V), _state_dtype(bs, q.dtype)), hs))
+    r2 = _call(functools.partial(gk.state_fwd_kernel, cfg=kc2, nt_static=NT),
+               (NS, H, V // kc.block_v), ins, outs, name="delta_state_fwd",
+               num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
+               interpret=st.interpret)
+    res = None
+    if save:
+        res = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"])
+    return r2["o"], r2["sT"], res
+
+
+def _backward(st: _Static, q, k, v, beta, g, s0, offs, res, do, dsT):
+    kc, bs = st.kc, st.bs
+    B, Tp, H, K = q.shape
+    V, C = kc.V, kc.C
+    NT = Tp // C
+    NS = st.n_seq
+
+    # K3: reverse state pass.
+    full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
+    kc3 = dataclasses.replace(kc, has_dsT=dsT is not None)
+    ins = [("q", q, full(K)), ("k", k, full(K)), ("w", res["w"], full(K))]
+    if kc.gate == "scalar":
+        ins.append(("g", g, svec))
+    elif kc.gate == "channel":
+        ins += [("g", g, full(K)), ("p", res["p"], full(C))]
+    ins.append(("do", do, vblk))
+    if dsT is not None:
+        ins.append(("dsT", dsT, state))
+    if kc.varlen:
+        ins.append(("offs", offs, ospec))
+    outs = [("dh", _sds((B, NT, H, K, V), _state_dtype(bs, q.dtype)), hs),
+            ("du", _sds((B, Tp, H, V), F32), vblk),
+            ("ds0", _sds((NS, H, K, V), F32), state)]
+    r3 = _call(functools.partial(gk.state_bwd_kernel, cfg=kc3, nt_static=NT),
+               (NS, H, V // kc.block_v), ins, outs, name="delta_state_bwd",
+               num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
+               interpret=st.interpret)
+
+    # K4: intra-chunk backward.
+    rows, vec = _chunk_specs(C)
+    hchunk = pl.BlockSpec((None, None, None, K, V), lambda n, b, h: (b, n, h, 0, 0))
+    ins = [("q", q, rows(K)), ("k", k, rows(K)), ("v", v, rows(V)), ("beta", beta, vec)]
+    if kc.gate != "none":
+        ins.append(("g", g, _gate_spec(kc, rows, vec)))
+    ins += [("tmat", res["tmat"], rows(C)), ("w", res["w"], rows(K)), ("u0", res["u0"], rows(V)),
+            ("h", res["h"], hchunk), ("dh", r3["dh"], hchunk), ("do", do, rows(V)),
+            ("du", r3["du"], rows(V))]
+    outs = [("dv", _sds(v.shape, v.dtype), rows(V))]
+    if kc.gate == "channel":
+        outs += [("dq_p", _sds((B, Tp, H, K), F32), rows(K)),
+                 ("dk_p", _sds((B, Tp, H, K), F32), rows(K)),
+                 ("dg_p", _sds((B, Tp, H, K), F32), rows(K)),
+                 ("db_p", _sds((B, Tp, H), F32), vec),
+                 ("dp", _sds((B, Tp, H, C), F32), rows(C)),
+                 ("dm", _sds((B, Tp, H, C), F32), rows(C))]
+    else:
+        outs += [("dq", _sds(q.shape, q.dtype), rows(K)), ("dk", _sds(k.shape, k.dtype), rows(K)),
+                 ("dbeta", _sds(beta.shape, beta.dtype), vec)]
+        if kc.gate == "scalar":
+            outs.append(("dg", _sds(g.shape, g.dtype), vec))
+    r4 = _call(functools.partial(gk.intra_bwd_kernel, cfg=kc), (NT, B, H), ins, outs,
+               name="delta_intra_bwd", num_warps=bs.num_warps_bwd,
+               num_stages=bs.num_stages_bwd, interpret=st.interpret)
+    if kc.gate == "channel":
+        ins = [("q", q, rows(K)), ("k", k, rows(K)), ("beta", beta, vec), ("g", g, rows(K)),
+               ("dq_p", r4["dq_p"], rows(K)), ("dk_p", r4["dk_p"], rows(K)),
+               ("dg_p", r4["dg_p"], rows(K)), ("db_p", r4["db_p"], vec),
+               ("dp", r4["dp"], rows(C)), ("dm", r4["dm"], rows(C))]
+        outs = [("dq", _sds(q.shape, q.dtype), rows(K)), ("dk", _sds(k.shape, k.dtype), rows(K)),
+                ("dg", _sds(g.shape, g.dtype), rows(K)),
+                ("dbeta", _sds(beta.shape, beta.dtype), vec)]
+        r5 = _call(functools.partial(gk.intra_bwd_channel_kernel, cfg=kc), (NT, B, H), ins,
+                   outs, name="delta_intra_bwd_kda", num_warps=bs.num_warps_bwd,
+                   num_stages=bs.num_stages_bwd, interpret=st.interpret)
+        r4.update(r5)
+    dg = r4.get("dg") if kc.gate != "none" else None
+    ds0 = r3["ds0"].astype(s0.dtype) if s0 is not None else None
+    return r4["dq"], r4["dk"], r4["dv"], r4["dbeta"], dg, ds0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(st, q, k, v, beta, g, s0, offs):
+    o, sT, _ = _forward(st, q, k, v, beta, g, s0, offs, save=False)
+    return o, sT
+
+
+def _core_fwd(st, q, k, v, beta, g, s0, offs):
+    o, sT, res = _forward(st, q, k, v, beta, g, s0, offs, save=True)
+    return (o, sT), (q, k, v, beta, g, s0, offs, res)
+
+
+def _core_bwd(st, saved, cts):
+    q, k, v, beta, g, s0, offs, res = saved
+    do, dsT = cts
+    dsT = dsT.astype(F32) if st.kc.has_dsT else None
+    dq, dk, dv, dbeta, dg, ds0 = _backward(st, q, k, v, beta, g, s0, offs, res,
+                                           do.astype(v.dtype), dsT)
+    return dq, dk, dv, dbeta, dg, ds0, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout glue (plain XLA): padding and packed variable-length sequences
+
+
+def _varlen_maps(cu, T, C):
+    """Chunk-aligned layout of packed sequences.
+
+    Returns (src [NTa*C] source token or -1, dst [T] padded position of each token, offs [N+1]
+    chunk offsets for the state passes). Every sequence starts on a chunk boundary; the last
+    sequence also owns the trailing all-zero chunks (zero k, beta and g leave a state unchanged),
+    so every chunk is visited by the state passes and no state crosses a sequence boundary.
+    """
+    N = cu.shape[0] - 1
+    nta = T // C + N                                  # >= sum_i ceil(len_i / C)
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + C - 1) // C
+    coff = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])
+    p = jnp.arange(nta * C, dtype=jnp.int32)
+    c = p // C
+    seq = jnp.searchsorted(coff, c, side="right").astype(jnp.int32) - 1
+    seqc = jnp.clip(seq, 0, N - 1)
+    within = (c - coff[seqc]) * C + p % C
+    valid = (seq < N) & (within < lens[seqc])
+    src = jnp.where(valid, cu[seqc] + within, -1)
+    t = jnp.arange(T, dtype=jnp.int32)
+    tseq = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, N - 1)
+    dst = coff[tseq] * C + (t - cu[tseq])
+    offs = coff.at[N].set(nta)
+    return src, dst, offs, nta
+
+
+def _gather_tokens(x, src):
+    """x [1, T, ...] -> [1, len(src), ...] with zeros where src < 0."""
+    y = jnp.take(x[0], jnp.maximum(src, 0), axis=0)
+    mask = (src >= 0).reshape((-1,) + (1,) * (y.ndim - 1))
+    return jnp.where(mask, y, jnp.zeros((), y.dtype))[None]
+
+
+@functools.partial(jax.jit, static_argnames=("st", "want_final"))
+def _run(st, want_final, q, k, v, beta, g, s0, cu):
+    kc = st.kc
+    B, T, H, K = q.shape
+    C = kc.C
+    s0 = None if s0 is None else s0.astype(F32)
+    offs = None
+    if kc.varlen:
+        src, dst, offs, _ = _varlen_maps(cu, T, C)
+        tok = functools.partial(_gather_tokens, src=src)
+        qp, kp, vp, bp = tok(q), tok(k), tok(v), tok(beta)
+        gp = None if g is None else tok(g)
+    else:
+        pad = (-T) % C
+        if pad:
+            def padt(x):
+                return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            qp, kp, vp, bp = padt(q), padt(k), padt(v), padt(beta)
+            gp = None if g is None else padt(g)
+        else:
+            qp, kp, vp, bp, gp = q, k, v, beta, g
+    o, sT = _core(st, qp, kp, vp, bp, gp, s0, offs)
+    if kc.varlen:
+        o = jnp.take(o[0], dst, axis=0)[None]
+    else:
+        o = o[:, :T]
+    return o, (sT if want_final else None)
+
+
+def default_interpret():
+    """Interpret mode unless a GPU backend is the default (CPU CI runs the kernels this way)."""
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+
+
+def chunk_delta_family_gpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=None,
+                           output_final_state=False, chunk_size=64, cu_seqlens=None,
+                           normalize_qk=False, interpret=None, block_sizes=None):
+    """Exact chunked delta rule / gated delta rule / KDA as Pallas GPU kernels (custom VJP).
+
+    Args:
+      q, k: [B, T, H, K] (float32 or bfloat16; q, k, v share one dtype).
+      v: [B, T, H, V].
+      beta: [B, T, H] write strengths, or None for 1.
+      g: None (DeltaNet), [B, T, H] scalar log-decay (Gated DeltaNet) or [B, T, H, K] channel
+        log-decay (KDA). Gates are assumed <= 0 (decays); any strength is exact.
+      scale: query multiplier (1/sqrt(K) in the fla convention is the caller's choice).
+      initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens), float32 or None.
+      output_final_state: also return the final state(s).
+      chunk_size: 16, 32 or 64.
+      cu_seqlens: None, or int32 [N + 1] offsets of N packed sequences in a batch of one;
+        states never cross a boundary.
+      normalize_qk: L2-normalise q and k inside the kernels (x / sqrt(sum x^2 + 1e-6)).
+      interpret: run the kernels in Pallas interpret mode; None: on CPU only.
+      block_sizes: GpuBlockSizes (tiling, warps, storage dtypes), None for defaults.
+
+    Returns:
+      (o [B, T, H, V] in v.dtype, final state [B or N, H, K, V] float32 or None).
+    """
+    if interpret is None:
+        interpret = default_interpret()
+    interpret = bool(interpret)
+    (q, k, v, beta, g, s0, cu, n_seq, bs) = _validate(
+        q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret, block_sizes)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if not isinstance(scale, (int, float, np.floating, np.integer)) or not math.isfinite(scale):
+        raise ValueError(f"{_FN}: argument `scale` must be a finite Python float; got {scale!r}.")
+    gate = "none" if g is None else ("scalar" if g.ndim == 3 else "channel")
+    if beta is None:
+        beta = jnp.ones((B, T, H), q.dtype)
+    kc = gk.KernelCfg(C=int(chunk_size), K=K, V=V, gate=gate, low=q.dtype == jnp.bfloat16,
+                      scale=float(scale), normalize=bool(normalize_qk), block_v=bs.block_v,
+                      block_v_bwd=bs.block_v_bwd, has_s0=s0 is not None,
+                      has_dsT=bool(output_final_state), store_h=False,
+                      varlen=cu is not None)
+    st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
+    return _run(st, bool(output_final_state), q, k, v, beta, g, s0, cu)

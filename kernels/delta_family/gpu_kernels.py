@@ -1,0 +1,725 @@
+"""Kernel bodies of the GPU (Pallas, Triton lowering) exact chunked delta family.
+
+Everything here runs inside a `pallas_call` and touches only the op subset the Pallas Triton
+lowering supports in jax 0.10 and 0.11 alike: 1-D/2-D arrays whose sizes are powers of two,
+`pl.ds` loads/stores, iota masks, `jnp.where`, `jnp.exp`, axis reductions, a forward
+`jnp.cumsum`, 2-D `lax.dot_general` with float32 accumulation, static Python loops and
+`lax.fori_loop`. No slicing of register values (the Triton lowering has no `slice`): sub-blocks
+are loaded from memory, rows are extracted with masked reductions.
+
+Per chunk of C tokens (row i = token i of the chunk), start state S [K, V] (float32), the
+inclusive chunk-local cumulative log-decay G_i = sum_{l <= i} g_l (float32) and Gam = exp(G):
+
+  M = strict_lower(diag(beta) A),  A_ij = sum_c k_ic k_jc exp(G_ic - G_jc)
+  T = (I + M)^-1                  (16x16 diagonal blocks by forward substitution, then blocks)
+  W = T (beta Gam k),  U0 = T (beta v),  U = U0 - W S            (U: "v_new")
+  O = (Gam q) S + P U,  P_ti = sum_c q_tc k_ic exp(G_tc - G_ic)  (i <= t)
+  S' = exp(G_C) S + (exp(G_C - G) k)^T U
+
+Backward (dS' = gradient of the chunk's end state, from the reverse state pass):
+  dU = exp(G_C - G) k dS' + P^T dO;  dS = exp(G_C) dS' + (Gam q)^T dO - W^T dU
+and per chunk, in parallel: dq, dk, dv, dbeta and dg. The gate gradient is assembled so that
+it stays accurate (1e-7 relative in float32) for gates of any strength, including padded rows:
+  - every decay exp(sum_{j<l<=i} g_l) in the backward kernels is formed from a direct segment
+    sum (a cumsum of a masked [C, C] matrix, block-local cumsums, exact suffix sums), never as
+    a difference G_i - G_j of chunk cumulative sums, which loses |G| * eps absolutely;
+  - a pairwise term contributes +c to its later and -c to its earlier end before one reverse
+    cumsum (pairs after s cancel, pairs that cross s remain); pairs with an empty segment (the
+    diagonal of P) are left out; the end-state term exp(G_C - G_i) k_i reaches dg_s for s > i
+    only and is added as a direct exclusive prefix sum (with g = 0 padding rows ending a chunk,
+    the +/- form would cancel O(1) terms).
+Scalar gate and no gate: full [C, C] decay matrices. Channel gate (KDA): 16-row sub-blocks;
+off-diagonal blocks are factored through the first row r of the later block
+(exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0 for g <= 0, no overflow for any strength),
+diagonal blocks use exact pairwise masked exps, one column at a time.
+
+Precision: bf16 inputs use bf16 tensor-core dots with float32 accumulation (as fla); the
+triangular solve, gates, cumsums and states are float32. float32 inputs (and the solve) use
+float32-accurate dots made of six bf16 tensor-core dots of split operands (see `_dot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+SUB = 16            # sub-block rows: the smallest tile a Triton tensor-core dot takes
+NORM_EPS = 1e-6     # in-kernel L2 normalisation: x / sqrt(sum x^2 + eps), as fla's l2norm
+
+_NN = (((1,), (0,)), ((), ()))   # a @ b
+_NT = (((1,), (1,)), ((), ()))   # a @ b.T
+_TN = (((0,), (0,)), ((), ()))   # a.T @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCfg:
+    """Static description of one call, shared by every kernel (hashable: it keys the jit cache)."""
+    C: int                 # chunk size (16, 32 or 64)
+    K: int
+    V: int
+    gate: str              # "none" | "scalar" | "channel"
+    low: bool              # bf16 matmul operands (bf16 inputs); float32 accumulation always
+    scale: float
+    normalize: bool        # in-kernel L2 normalisation of q and k
+    block_v: int           # V block of the sequential state passes (grid axis)
+    block_v_bwd: int       # V block of the loop inside the intra-chunk backward
+    has_s0: bool
+    has_dsT: bool
+    store_h: bool          # forward state pass also writes the chunk start states
+    varlen: bool           # chunk ranges per sequence come from an offsets array
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel helpers
+
+
+def split3(x):
+    """float32 x as hi + mid + lo, three bf16 parts that represent it to 24 bits."""
+    x = x.astype(F32)
+    hi = x.astype(BF16)
+    r = x - hi.astype(F32)
+    mid = r.astype(BF16)
+    return hi, mid, (r - mid.astype(F32)).astype(BF16)
+
+
+def _dot(a, b, dims, low, exact=False):
+    """dot_general with float32 accumulation.
+
+    low and not exact: bf16 operands on tensor cores, as fla does (bf16 inputs). Otherwise a
+    float32-accurate product from six bf16 tensor-core dots of the split operands
+    (hi*hi + hi*mid + mid*hi + hi*lo + mid*mid + lo*hi; the neglected terms are ~2^-24
+    relative), the BF16_BF16_F32_X6 scheme. It is written out here rather than asked of the
+    compiler because an IEEE float32 Triton dot runs on FMA units (slow, and it spills heavily
+    at these tile sizes) and interpret mode on CPU then runs exactly the GPU arithmetic.
+    """
+    def d(x, y):
+        return lax.dot_general(x, y, dims, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=F32)
+
+    if low and not exact:
+        return d(a.astype(BF16), b.astype(BF16))
+    a1, a2, a3 = split3(a)
+    b1, b2, b3 = split3(b)
+    small = (d(a1, b3) + d(a3, b1)) + d(a2, b2)
+    return (small + (d(a1, b2) + d(a2, b1))) + d(a1, b1)
+
+
+def mm(a, b, low, exact=False):
+    return _dot(a, b, _NN, low, exact)
+
+
+def mm_nt(a, b, low, exact=False):
+    return _dot(a, b, _NT, low, exact)
+
+
+def mm_tn(a, b, low, exact=False):
+    return _dot(a, b, _TN, low, exact)
+
+
+def iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def l2n(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + NORM_EPS)
+
+
+def l2n_vjp(x, dy):
+    """Cotangent of x -> x / sqrt(sum x^2 + eps) (row-wise) at raw x, for output cotangent dy."""
+    rinv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + NORM_EPS)
+    y = x * rinv
+    return rinv * (dy - y * jnp.sum(y * dy, axis=1, keepdims=True))
+
+
+def row(x, i):
+    """Row i (dynamic scalar allowed) of a 2-D value, by a masked reduction."""
+    return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0)
+
+
+def col(x, j):
+    return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1)
+
+
+def last(x):
+    """Last element of a 1-D value (scalar) or last row of a 2-D value."""
+    if x.ndim == 1:
+        return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0.0))
+    return row(x, x.shape[0] - 1)
+
+
+def inv_unit_lower(m):
+    """(I + m)^-1 for strictly lower-triangular m [n, n] (float32), by forward substitution."""
+    n = m.shape[0]
+    r, c = iota((n, n), 0), iota((n, n), 1)
+    cv = iota((n,), 0)
+
+    def body(i, t):
+        mi = row(m, i)                                    # [n], zero at j >= i
+        new = jnp.where(cv == i, 1.0, 0.0) - jnp.sum(mi[:, None] * t, axis=0)
+        return jnp.where(r == i, new[None, :], t)
+
+    return lax.fori_loop(1, n, body, jnp.where(r == c, 1.0, 0.0).astype(F32))
+
+
+def rev_cumsum_vec(x):
+    """sum_{t >= s} x_t for a 1-D float32 value, as a masked reduction (no cancellation)."""
+    n = x.shape[0]
+    return jnp.sum(jnp.where(iota((n, n), 1) >= iota((n, n), 0), x[None, :], 0.0), axis=1)
+
+
+def exact_masked_sum(mask, x):
+    """mask @ x for a 0/1 mask [n, m] and float32 x [m, K], accurate to float32.
+
+    x is split into three bf16 parts and each goes through a bf16 tensor-core dot with float32
+    accumulation; products with 0/1 are exact (three dots instead of six).
+    """
+    m = mask.astype(BF16)
+    hi, mid, lo = split3(x)
+    out = lax.dot_general(m, lo, _NN, preferred_element_type=F32)
+    out = out + lax.dot_general(m, mid, _NN, preferred_element_type=F32)
+    return out + lax.dot_general(m, hi, _NN, preferred_element_type=F32)
+
+
+def rev_cumsum_rows(x):
+    """sum_{t >= s} x_t over the rows of a 2-D float32 value."""
+    n = x.shape[0]
+    return exact_masked_sum(iota((n, n), 1) >= iota((n, n), 0), x)
+
+
+def suffix_rows(g):
+    """sum_{l > i} g_l over the rows of [n, K] gates: exact segment sums (no G_C - G_i)."""
+    n = g.shape[0]
+    return exact_masked_sum(iota((n, n), 1) > iota((n, n), 0), g)
+
+
+def seg_matrix(g):
+    """seg[i, j] = sum_{j < l <= i} g_l for a 1-D gate (0 where i <= j).
+
+    Summing each segment directly instead of differencing cumulative sums G_i - G_j keeps the
+    short segments, which carry the gate gradient under strong decay, exact: G reaches hundreds,
+    and G_i - G_j loses |G| * eps absolutely.
+    """
+    n = g.shape[0]
+    x = jnp.where(iota((n, n), 0) > iota((n, n), 1), g[:, None], 0.0)
+    return jnp.cumsum(x, axis=0)
+
+
+def load_f32(ref, idx):
+    return ref[idx].astype(F32)
+
+
+def load_qk(ref, idx, cfg, is_q):
+    x = ref[idx].astype(F32)
+    if cfg.normalize:
+        x = l2n(x)
+    if is_q:
+        x = x * cfg.scale
+    return x
+
+
+def pair_diag(xs, y, g, stricts):
+    """Exact pairwise products inside one diagonal sub-block (channel gate).
+
+    For each x in xs (all [n, K]) returns Z [n, n] with
+    Z_ij = sum_c x_ic y_jc exp(sum_{j < l <= i} g_lc) for j < i (strict) or j <= i; the segment
+    sums are formed directly (masked, so every exponent is <= 0 for g <= 0).
+    """
+    n = y.shape[0]
+    rows = iota(y.shape, 0)
+    cc = iota((n, n), 1)
+    rv = iota((n,), 0)
+
+    def body(j, zs):
+        yj = row(y, j)
+        e = jnp.exp(jnp.cumsum(jnp.where(rows > j, g, 0.0), axis=0))
+        out = []
+        for x, z, strict in zip(xs, zs, stricts):
+            c = jnp.sum(x * (yj[None, :] * e), axis=1)
+            c = jnp.where(rv > j if strict else rv >= j, c, 0.0)
+            out.append(jnp.where(cc == j, c[:, None], z))
+        return tuple(out)
+
+    init = tuple(jnp.zeros((n, n), F32) for _ in xs)
+    return lax.fori_loop(0, n, body, init)
+
+
+def pair_diag_bwd(x, y, g, dz, want_dg):
+    """Cotangents of Z_ij = sum_c x_ic y_jc exp(sum_{j<l<=i} g_lc), j < i, one diagonal block.
+
+    Returns (dx, dy, dG) with dG_i += x_i dx_i (later end), dG_j -= y_j dy_j (earlier end);
+    dG is None unless want_dg.
+    """
+    n = y.shape[0]
+    rows = iota(y.shape, 0)
+    rv = iota((n,), 0)
+
+    def body(j, carry):
+        dx, dy, dg = carry
+        yj = row(y, j)
+        e = jnp.exp(jnp.cumsum(jnp.where(rows > j, g, 0.0), axis=0))
+        e = jnp.where(rows > j, e, 0.0)                      # strict: only rows i > j
+        dzj = jnp.where(rv > j, col(dz, j), 0.0)             # [n]
+        ex = dzj[:, None] * e                                # [n, K]
+        dxj = ex * yj[None, :]                               # row-side contribution
+        dyj = jnp.sum(ex * x, axis=0)                        # [K], col-side for row j
+        dx = dx + dxj
+        dy = dy + jnp.where(rows == j, dyj[None, :], 0.0)
+        if want_dg:
+            dg = dg + x * dxj - jnp.where(rows == j, (yj * dyj)[None, :], 0.0)
+        return dx, dy, dg
+
+    z = jnp.zeros(y.shape, F32)
+    dx, dy, dg = lax.fori_loop(0, n, body, (z, z, z))
+    return dx, dy, (dg if want_dg else None)
+
+
+def gate_blocks(r, cfg, nb):
+    """Per SUB-row block of the chunk: raw gates and chunk-local cumulative gates (float32)."""
+    gs, Gs, base = [], [], None
+    for b in range(nb):
+        sl = pl.ds(b * SUB, SUB)
+        if cfg.gate == "scalar":
+            g = load_f32(r["g"], sl)
+            G = jnp.cumsum(g)
+        else:
+            g = load_f32(r["g"], (sl, slice(None)))
+            G = jnp.cumsum(g, axis=0)
+        if base is not None:
+            G = G + (base if cfg.gate == "scalar" else base[None, :])
+        base = last(G)
+        gs.append(g)
+        Gs.append(G)
+    return gs, Gs
+
+
+def channel_factors(gs):
+    """Factors of exp(sum_{j < l <= i} g_l) for i in block I > J containing j (channel gate).
+
+    The product is split at the first row r of block I: fx[I] = exp(sum_{r < l <= i} g_l) and
+    fy(I, J) = exp(sum_{j < l <= r} g_l); both exponents are <= 0 for g <= 0 (no overflow), and
+    both are direct segment sums (block-local cumsums, exact suffix sums, block totals), never
+    differences of chunk-level cumulative sums.
+    """
+    rows = iota(gs[0].shape, 0)
+    fx = [jnp.exp(jnp.cumsum(jnp.where(rows > 0, g, 0.0), axis=0)) for g in gs]
+    suf = [suffix_rows(g) for g in gs]
+    tot = [jnp.sum(g, axis=0) for g in gs]
+    g0 = [row(g, 0) for g in gs]
+
+    def fy(i, j):
+        e = g0[i]
+        for l in range(j + 1, i):
+            e = e + tot[l]
+        return jnp.exp(suf[j] + e[None, :])
+
+    return fx, fy
+
+
+def chunk_gates(g, gate):
+    """Whole-chunk gate quantities from g [C] or [C, K] (float32).
+
+    Returns (G, GC, gam, kdec, dec): cumulative gate, its last value, exp(G), exp(G_C - G) and
+    exp(G_C), each shaped to multiply [C, K] (or [K, V] for dec) values.
+    """
+    if gate == "scalar":
+        G = jnp.cumsum(g)
+        GC = last(G)
+        return G, GC, jnp.exp(G)[:, None], jnp.exp(GC - G)[:, None], jnp.exp(GC)
+    G = jnp.cumsum(g, axis=0)
+    GC = last(G)
+    return G, GC, jnp.exp(G), jnp.exp(GC[None, :] - G), jnp.exp(GC)[:, None]
+
+
+def scalar_decay(G, inclusive):
+    """D_ij = exp(G_i - G_j) on j <= i (or j < i), 0 elsewhere; masked before the exp."""
+    n = G.shape[0]
+    r, c = iota((n, n), 0), iota((n, n), 1)
+    m = r >= c if inclusive else r > c
+    return jnp.where(m, jnp.exp(jnp.where(m, G[:, None] - G[None, :], 0.0)), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# K1: intra-chunk forward (parallel over chunks): T, W, U0 (and P for the channel gate)
+
+
+def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
+    C, low = cfg.C, cfg.low
+    nb = C // SUB
+    rr, cc = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
+    strict = rr > cc
+
+    ks, bs, vs, qs = [], [], [], []
+    for b in range(nb):
+        sl = pl.ds(b * SUB, SUB)
+        ks.append(load_qk(r["k"], (sl, slice(None)), cfg, False))
+        bs.append(load_f32(r["beta"], sl))
+        vs.append(load_f32(r["v"], (sl, slice(None))))
+        if cfg.gate == "channel":
+            qs.append(load_qk(r["q"], (sl, slice(None)), cfg, True))
+    gs, Gs = gate_blocks(r, cfg, nb) if cfg.gate != "none" else (None, None)
+    if cfg.gate == "channel":
+        fx, fy = channel_factors(gs)
+
+    # Strictly lower blocks of A (and of P for the channel gate).
+    A, P = {}, {}
+    for i in range(nb):
+        if cfg.gate == "channel":
+            ai, aq = ks[i] * fx[i], qs[i] * fx[i]
+        for j in range(i + 1):
+            if cfg.gate == "channel":
+                if j < i:
+                    bj = ks[j] * fy(i, j)
+                    A[i, j] = mm_nt(ai, bj, low)
+                    P[i, j] = mm_nt(aq, bj, low)
+                else:
+                    A[i, i], P[i, i] = pair_diag([ks[i], qs[i]], ks[i], gs[i], [True, False])
+            else:
+                a = mm_nt(ks[i], ks[j], low)
+                if cfg.gate == "scalar":
+                    d = Gs[i][:, None] - Gs[j][None, :]
+                    if i == j:
+                        d = jnp.where(strict, d, 0.0)
+                    a = a * jnp.exp(d)
+                if i == j:
+                    a = jnp.where(strict, a, 0.0)
+                A[i, j] = a
+
+    # Blocked inverse of the unit lower-triangular I + diag(beta) A, all float32.
+    M = {key: bs[key[0]][:, None] * a for key, a in A.items()}
+    T = {}
+    for i in range(nb):
+        T[i, i] = inv_unit_lower(M[i, i])
+        for j in range(i - 1, -1, -1):
+            acc = mm(M[i, j], T[j, j], low, exact=True)
+            for l in range(j + 1, i):
+                acc = acc + mm(M[i, l], T[l, j], low, exact=True)
+            T[i, j] = -mm(T[i, i], acc, low, exact=True)
+
+    # W = T (beta Gam k), U0 = T (beta v).
+    xs, ys = [], []
+    for j in range(nb):
+        x = bs[j][:, None] * ks[j]
+        if cfg.gate == "scalar":
+            x = x * jnp.exp(Gs[j])[:, None]
+        elif cfg.gate == "channel":
+            x = x * jnp.exp(Gs[j])
+        xs.append(x)
+        ys.append(bs[j][:, None] * vs[j])
+    for i in range(nb):
+        sl = pl.ds(i * SUB, SUB)
+        w = mm(T[i, 0], xs[0], low)
+        u = mm(T[i, 0], ys[0], low)
+        for j in range(1, i + 1):
+            w = w + mm(T[i, j], xs[j], low)
+            u = u + mm(T[i, j], ys[j], low)
+        r["w"][sl, :] = w.astype(r["w"].dtype)
+        r["u0"][sl, :] = u.astype(r["u0"].dtype)
+        if store_t:
+            for j in range(nb):
+                blk = T[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+                r["tmat"][sl, pl.ds(j * SUB, SUB)] = blk
+        if cfg.gate == "channel":
+            for j in range(nb):
+                blk = P[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+                r["p"][sl, pl.ds(j * SUB, SUB)] = blk
+
+
+# ---------------------------------------------------------------------------------------------
+# K2 / K3: sequential state passes (parallel over sequences, heads and V blocks)
+
+
+def _chunk_operators(r, cfg, sl):
+    """Loads one chunk for the state passes: (q*Gam, k*exp(G_C-G), w, P, decay of S)."""
+    C, low = cfg.C, cfg.low
+    q = load_qk(r["q"], (sl, slice(None)), cfg, True)
+    k = load_qk(r["k"], (sl, slice(None)), cfg, False)
+    w = r["w"][sl, :]
+    rr, cc = iota((C, C), 0), iota((C, C), 1)
+    if cfg.gate == "none":
+        p = jnp.where(rr >= cc, mm_nt(q, k, low), 0.0)
+        return q, k, w, p, None
+    if cfg.gate == "scalar":
+        g = load_f32(r["g"], sl)
+        G, _, gam, kdec, dec = chunk_gates(g, "scalar")
+        p = mm_nt(q, k, low) * scalar_decay(G, True)
+        return q * gam, k * kdec, w, p, dec
+    g = load_f32(r["g"], (sl, slice(None)))
+    _, _, gam, kdec, dec = chunk_gates(g, "channel")
+    p = load_f32(r["p"], (sl, slice(None)))
+    return q * gam, k * kdec, w, p, dec
+
+
+def _chunk_range(r, cfg, nt_static):
+    if cfg.varlen:
+        s = pl.program_id(0)
+        return r["offs"][s], r["offs"][s + 1]
+    return 0, nt_static
+
+
+def state_fwd_kernel(r, cfg: KernelCfg, nt_static: int):
+    C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
+    lo, hi = _chunk_range(r, cfg, nt_static)
+    s = load_f32(r["s0"], (slice(None), slice(None))) if cfg.has_s0 else jnp.zeros((K, BV), F32)
+
+    def body(n, s):
+        sl = pl.ds(n * C, C)
+        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl)
+        if cfg.store_h:
+            r["h"][n, :, :] = s.astype(r["h"].dtype)
+        u = load_f32(r["u0"], (sl, slice(None))) - mm(w, s, low)
+        o = mm(qg, s, low) + mm(p, u, low)
+        r["o"][sl, :] = o.astype(r["o"].dtype)
+        s = s if dec is None else dec * s
+        return s + mm_tn(kd, u, low)
+
+    s = lax.fori_loop(lo, hi, body, s)
+    r["sT"][:, :] = s
+
+
+def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
+    C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
+    lo, hi = _chunk_range(r, cfg, nt_static)
+    ds = load_f32(r["dsT"], (slice(None), slice(None))) if cfg.has_dsT else jnp.zeros((K, BV), F32)
+
+    def body(i, ds):
+        n = hi - 1 - i
+        sl = pl.ds(n * C, C)
+        r["dh"][n, :, :] = ds.astype(r["dh"].dtype)
+        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl)
+        do = r["do"][sl, :]
+        du = mm(kd, ds, low) + mm_tn(p, do, low)
+        r["du"][sl, :] = du
+        ds = ds if dec is None else dec * ds
+        return ds + mm_tn(qg, do, low) - mm_tn(w, du, low)
+
+    ds = lax.fori_loop(0, hi - lo, body, ds)
+    r["ds0"][:, :] = ds
+
+
+# ---------------------------------------------------------------------------------------------
+# K4: intra-chunk backward (parallel over chunks)
+
+
+def intra_bwd_kernel(r, cfg: KernelCfg):
+    """All gradients of one chunk (scalar gate / no gate); for the channel gate, the dense part.
+
+    Two passes over V blocks keep few [C, K] accumulators live (register pressure on GPU):
+      A: the W / U0 side: dW = -dU S^T, dY = T^T dU (-> dv, dbeta), dM (-> dbeta, dk5, dk6);
+      B: the state / output side: dO S^T (-> dq), dP = dO U^T, U dS'^T (-> dk3), S . dS'.
+    Channel gate: writes dv, and the partial dq, dk, dg (already reverse-summed), dbeta plus
+    dP and dM for `intra_bwd_channel_kernel`, which adds the pairwise sub-block terms.
+    """
+    C, K, V, BVB, low = cfg.C, cfg.K, cfg.V, cfg.block_v_bwd, cfg.low
+    rr, cc = iota((C, C), 0), iota((C, C), 1)
+    all_ = (slice(None), slice(None))
+    k_raw = load_f32(r["k"], all_)
+    k = l2n(k_raw) if cfg.normalize else k_raw
+    beta = load_f32(r["beta"], slice(None))
+    tm = load_f32(r["tmat"], all_)
+    w = r["w"][:, :]
+    # Pairwise and suffix decays from exact segment sums (the gate gradient depends on them).
+    if cfg.gate == "scalar":
+        g = load_f32(r["g"], slice(None))
+        G, GC, gam, _, dec = chunk_gates(g, "scalar")
+        seg = seg_matrix(g)
+        kdec = jnp.exp(row(seg, C - 1))[:, None]             # exp(sum_{l > i} g_l)
+    elif cfg.gate == "channel":
+        g = load_f32(r["g"], all_)
+        G, GC, gam, _, dec = chunk_gates(g, "channel")
+        kdec = jnp.exp(suffix_rows(g))
+    nvb = V // BVB
+
+    # Pass A.
+    dwn = jnp.zeros((C, K), F32)      # dU S^T  (= -dW)
+    dmy = jnp.zeros((C, C), F32)      # dY U0^T
+    dbeta = jnp.zeros((C,), F32)
+    for jv in range(nvb):
+        vs = pl.ds(jv * BVB, BVB)
+        s = load_f32(r["h"], (slice(None), vs))
+        du = load_f32(r["du"], (slice(None), vs))
+        u0 = load_f32(r["u0"], (slice(None), vs))
+        dwn = dwn + mm_nt(du, s, low)
+        dy = mm_tn(tm, du, low)                               # T^T dU
+        r["dv"][:, vs] = (beta[:, None] * dy).astype(r["dv"].dtype)
+        dbeta = dbeta + jnp.sum(dy * load_f32(r["v"], (slice(None), vs)), axis=1)
+        dmy = dmy + mm_nt(dy, u0, low)
+    dx = -mm_tn(tm, dwn, low)                                 # T^T dW
+    xg = k if cfg.gate == "none" else k * gam
+    dbeta = dbeta + jnp.sum(dx * xg, axis=1)
+    dk = beta[:, None] * (dx if cfg.gate == "none" else dx * gam)          # dk5
+    dm = jnp.where(rr > cc, -(mm_nt(dx, w, low) + dmy), 0.0)
+    if cfg.gate == "channel":
+        dg_dense = k * dk                                     # term 5 (reverse-summed below)
+        r["dm"][:, :] = dm
+    else:
+        a = mm_nt(k, k, low)
+        if cfg.gate == "scalar":
+            d_i = jnp.where(rr >= cc, jnp.exp(seg), 0.0)
+            d_s = jnp.where(rr > cc, d_i, 0.0)
+            a = a * d_s
+        else:
+            a = jnp.where(rr > cc, a, 0.0)
+        dbeta = dbeta + jnp.sum(dm * a, axis=1)
+        da = beta[:, None] * dm
+        if cfg.gate == "scalar":
+            e6 = da * a
+            dG = jnp.sum(e6, axis=1) - jnp.sum(e6, axis=0) + jnp.sum(k * dk, axis=1)
+            da = da * d_s
+        dk = dk + mm(da, k, low) + mm_tn(da, k, low)          # + dk6
+
+    # Pass B.
+    dq = jnp.zeros((C, K), F32)       # dO S^T (times Gam after the loop)
+    dp = jnp.zeros((C, C), F32)       # dO U^T
+    dkt = jnp.zeros((C, K), F32) if cfg.gate == "channel" else None
+    t3 = jnp.zeros((C,), F32)         # scalar gate: sum_c k * dk3
+    t4 = jnp.zeros((K,), F32)         # rowsum(S * dS')
+    for jv in range(nvb):
+        vs = pl.ds(jv * BVB, BVB)
+        s = load_f32(r["h"], (slice(None), vs))
+        dsp = load_f32(r["dh"], (slice(None), vs))
+        do = r["do"][:, vs]
+        u = load_f32(r["u0"], (slice(None), vs)) - mm(w, s, low)
+        dq = dq + mm_nt(do, s, low)
+        dp = dp + mm_nt(do, u, low)
+        ukt = mm_nt(u, dsp, low)                              # U dS'^T
+        if cfg.gate == "channel":
+            dkt = dkt + ukt
+        elif cfg.gate == "scalar":
+            ukt = ukt * kdec
+            t3 = t3 + jnp.sum(k * ukt, axis=1)
+            dk = dk + ukt
+        else:
+            dk = dk + ukt
+        if cfg.gate != "none":
+            t4 = t4 + jnp.sum(s * dsp, axis=1)
+    if cfg.gate != "none":
+        dq = dq * gam                                         # dq1
+    dp = jnp.where(rr >= cc, dp, 0.0)
+    q_raw = load_f32(r["q"], all_)
+    qs = (l2n(q_raw) if cfg.normalize else q_raw) * cfg.scale
+
+    if cfg.gate == "channel":
+        # Terms 1 (Gam q) and 5 (beta Gam k) are prefix segments (0, t]: reverse cumsum. Term 3
+        # (exp(G_C - G_i) k_i, segment (i, C]) reaches dg_s for s > i only: an exclusive prefix
+        # sum, formed directly (no +/- pair that cancels, also when padding rows with g = 0 end
+        # the chunk). Term 4 (exp(G_C) S, segment (0, C]) reaches every s. The pairwise terms
+        # follow in the channel kernel.
+        dk3 = dkt * kdec
+        up = iota((C, C), 1) < iota((C, C), 0)
+        dgp = (rev_cumsum_rows(qs * dq + dg_dense) + exact_masked_sum(up, k * dk3)
+               + (jnp.exp(GC) * t4)[None, :])
+        r["dq_p"][:, :] = dq
+        r["dk_p"][:, :] = dk + dk3
+        r["dg_p"][:, :] = dgp
+        r["db_p"][:] = dbeta
+        r["dp"][:, :] = dp
+        return
+
+    if cfg.gate == "scalar":
+        # Pairwise terms: +c at the later end, -c at the earlier end, then a reverse cumsum
+        # (both ends of a pair after s cancel, leaving the pairs that cross s). Terms 1 and 5:
+        # reverse cumsum. Term 3 (segment (i, C]): exclusive prefix sum, formed directly.
+        # Term 4 (segment (0, C]): every position.
+        pm = mm_nt(qs, k, low) * d_s
+        e2 = dp * pm
+        dG = dG + jnp.sum(e2, axis=1) - jnp.sum(e2, axis=0) + jnp.sum(qs * dq, axis=1)
+        pre3 = jnp.sum(jnp.where(cc < rr, t3[None, :], 0.0), axis=1)      # sum_{i < s} t3_i
+        dg = rev_cumsum_vec(dG) + pre3 + dec * jnp.sum(t4)
+        r["dg"][:] = dg.astype(r["dg"].dtype)
+        dp = dp * d_i
+    dq = (dq + mm(dp, k, low)) * cfg.scale
+    dk = dk + mm_tn(dp, qs, low)
+    if cfg.normalize:
+        dq = l2n_vjp(q_raw, dq)
+        dk = l2n_vjp(k_raw, dk)
+    r["dq"][:, :] = dq.astype(r["dq"].dtype)
+    r["dk"][:, :] = dk.astype(r["dk"].dtype)
+    r["dbeta"][:] = dbeta.astype(r["dbeta"].dtype)
+
+
+def intra_bwd_channel_kernel(r, cfg: KernelCfg):
+    """Channel gate: pairwise terms of A and P by sub-blocks, then dq, dk, dg, dbeta."""
+    C, low = cfg.C, cfg.low
+    nb = C // SUB
+    ks, qs, kraw, qraw, bs = [], [], [], [], []
+    dq, dk, dG, dgd, dbeta = [], [], [], [], []
+    for b in range(nb):
+        sl = (pl.ds(b * SUB, SUB), slice(None))
+        qr = load_f32(r["q"], sl)
+        kr = load_f32(r["k"], sl)
+        qraw.append(qr)
+        kraw.append(kr)
+        qs.append((l2n(qr) if cfg.normalize else qr) * cfg.scale)
+        ks.append(l2n(kr) if cfg.normalize else kr)
+        bs.append(load_f32(r["beta"], pl.ds(b * SUB, SUB)))
+        dq.append(load_f32(r["dq_p"], sl))
+        dk.append(load_f32(r["dk_p"], sl))
+        dgd.append(load_f32(r["dg_p"], sl))
+        dG.append(jnp.zeros((SUB, cfg.K), F32))
+        dbeta.append(load_f32(r["db_p"], pl.ds(b * SUB, SUB)))
+    gs, _ = gate_blocks(r, cfg, nb)
+    fx, fy = channel_factors(gs)
+
+    for i in range(nb):
+        si = pl.ds(i * SUB, SUB)
+        fi = fx[i]
+        ai, aq = ks[i] * fi, qs[i] * fi
+        for j in range(i + 1):
+            sj = pl.ds(j * SUB, SUB)
+            dp = load_f32(r["dp"], (si, sj))
+            dm = load_f32(r["dm"], (si, sj))
+            if j < i:
+                fj = fy(i, j)
+                bj = ks[j] * fj
+                a = mm_nt(ai, bj, low)
+                dbeta[i] = dbeta[i] + jnp.sum(dm * a, axis=1)
+                da = bs[i][:, None] * dm
+                # Rows (later end): P and A parts; columns (earlier end).
+                dqi = mm(dp, bj, low) * fi
+                dki = mm(da, bj, low) * fi
+                dkj = (mm_tn(dp, aq, low) + mm_tn(da, ai, low)) * fj
+                dq[i] = dq[i] + dqi
+                dk[i] = dk[i] + dki
+                dk[j] = dk[j] + dkj
+                dG[i] = dG[i] + qs[i] * dqi + ks[i] * dki
+                dG[j] = dG[j] - ks[j] * dkj
+            else:
+                (a,) = pair_diag([ks[i]], ks[i], gs[i], [True])
+                dbeta[i] = dbeta[i] + jnp.sum(dm * a, axis=1)
+                da = bs[i][:, None] * dm
+                dqi, dkj_p, dgp = pair_diag_bwd(qs[i], ks[i], gs[i], dp, True)
+                dki, dkj_a, dga = pair_diag_bwd(ks[i], ks[i], gs[i], da, True)
+                # The diagonal of P (empty segment): gradients to q and k, none to the gate.
+                dpd = jnp.sum(jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), dp, 0.0),
+                              axis=1)
+                dq[i] = dq[i] + dqi + dpd[:, None] * ks[i]
+                dk[i] = dk[i] + dki + dkj_p + dkj_a + dpd[:, None] * qs[i]
+                dG[i] = dG[i] + dgp + dga
+
+    # dg = (dense part, already summed) + reverse cumulative sum of the pairwise dG.
+    tot = None
+    dg = [None] * nb
+    for i in range(nb - 1, -1, -1):
+        blk = rev_cumsum_rows(dG[i])
+        if tot is not None:
+            blk = blk + tot[None, :]
+        dg[i] = blk + dgd[i]
+        s = jnp.sum(dG[i], axis=0)
+        tot = s if tot is None else tot + s
+    for i in range(nb):
+        sl = (pl.ds(i * SUB, SUB), slice(None))
+        dqi = dq[i] * cfg.scale
+        dki = dk[i]
+        if cfg.normalize:
+            dqi = l2n_vjp(qraw[i], dqi)
+            dki = l2n_vjp(kraw[i], dki)
+        r["dq"][sl] = dqi.astype(r["dq"].dtype)
+        r["dk"][sl] = dki.astype(r["dk"].dtype)
+        r["dg"][sl] = dg[i].astype(r["dg"].dtype)
+        r["dbeta"][pl.ds(i * SUB, SUB)] = dbeta[i].astype(r["dbeta"].dtype)

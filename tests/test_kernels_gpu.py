@@ -1,0 +1,350 @@
+"""GPU (Pallas, Triton lowering) delta-family kernels, run in Pallas interpret mode on CPU.
+
+References: the float32 token-by-token scan `recurrent_delta_family` (outputs, final states and
+every gradient through jax.grad). Tiny shapes (interpret mode is slow): odd T, K, V in {16, 32},
+chunk 16. The Triton lowering itself is checked on CPU by exporting for CUDA (no GPU needed);
+tests that need a real GPU are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from atlas_jax.kernels.delta_family.gpu import GpuBlockSizes, chunk_delta_family_gpu
+from atlas_jax.ops.delta_family import recurrent_delta_family
+from helpers import rel
+
+B, T, H = 1, 37, 2          # T odd: never a multiple of the chunk size
+SCALE = 0.7
+GATES = ["none", "scalar", "channel"]
+
+
+def make(seed, *, gate, K=16, V=32, T_=T, B_=B, H_=H, strength="normal", n_states=None):
+    """Random inputs (never zeros): unit keys, sigmoid betas, log-sigmoid / extreme / tiny gates."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B_, T_, H_, K))
+    k = rng.standard_normal((B_, T_, H_, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B_, T_, H_, V))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B_, T_, H_))))
+    gshape = {"none": None, "scalar": (B_, T_, H_), "channel": (B_, T_, H_, K)}[gate]
+    g = None
+    if gshape is not None:
+        if strength == "normal":
+            g = -np.logaddexp(0.0, -rng.standard_normal(gshape))
+        elif strength == "extreme":
+            g = -5.0 - 3.0 * rng.random(gshape)
+        else:                                   # near 0
+            g = -1e-3 * (0.1 + rng.random(gshape))
+    s0 = rng.standard_normal((n_states or B_, H_, K, V))
+    wo = rng.standard_normal((B_, T_, H_, V))
+    ws = rng.standard_normal((n_states or B_, H_, K, V))
+    f = lambda x: None if x is None else jnp.asarray(x, jnp.float32)   # noqa: E731
+    return [f(x) for x in (q, k, v, beta, g, s0)], (f(wo), f(ws))
+
+
+def pallas(q, k, v, beta, g, s0, **kw):
+    kw.setdefault("chunk_size", 16)
+    return chunk_delta_family_gpu(q, k, v, beta, g, scale=SCALE, initial_state=s0,
+                                  output_final_state=True, interpret=True, **kw)
+
+
+def reference(q, k, v, beta, g, s0):
+    f32 = lambda x: None if x is None else x.astype(jnp.float32)   # noqa: E731
+    return recurrent_delta_family(f32(q), f32(k), f32(v), f32(beta), f32(g), scale=SCALE,
+                                  initial_state=s0, output_final_state=True)
+
+
+def grads(fn, args, weights):
+    """Gradients of <o, wo> + <S_T, ws> for every argument that is not None."""
+    wo, ws = weights
+    argnums = tuple(i for i, a in enumerate(args) if a is not None)
+
+    def loss(*a):
+        o, s = fn(*a)
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s * ws)
+
+    return argnums, jax.grad(loss, argnums=argnums)(*args)
+
+
+NAMES = ["q", "k", "v", "beta", "g", "s0"]
+
+
+def check_all(args, weights, tol, **kw):
+    o1, s1 = pallas(*args, **kw)
+    o2, s2 = reference(*args)
+    assert o1.dtype == args[2].dtype and s1.dtype == jnp.float32
+    assert rel(o1, o2) < tol, rel(o1, o2)
+    assert rel(s1, s2) < tol, rel(s1, s2)
+    argnums, g1 = grads(functools.partial(pallas, **kw), args, weights)
+    _, g2 = grads(reference, args, weights)
+    for i, a, b in zip(argnums, g1, g2):
+        assert a.shape == args[i].shape and a.dtype == args[i].dtype, NAMES[i]
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
+        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Float32: outputs, final state and all gradients within 1e-5 of the float32 scan
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_f32_forward_and_gradients(gate):
+    args, w = make(0, gate=gate)
+    check_all(args, w, 1e-5)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+@pytest.mark.parametrize("strength", ["extreme", "near0"])
+def test_f32_extreme_gates(gate, strength):
+    args, w = make(1, gate=gate, strength=strength)
+    check_all(args, w, 1e-5)
+
+
+def test_f32_no_initial_state_chunk32_and_no_beta():
+    args, w = make(2, gate="scalar", T_=45, K=32, V=16)
+    q, k, v, beta, g, _ = args
+    check_all([q, k, v, beta, g, None], w, 1e-5, chunk_size=32)
+    o1, s1 = pallas(q, k, v, None, g, None)
+    o2, s2 = reference(q, k, v, jnp.ones_like(beta), g, None)
+    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
+
+
+def test_final_state_optional():
+    args, _ = make(3, gate="scalar")
+    q, k, v, beta, g, s0 = args
+    o, s = chunk_delta_family_gpu(q, k, v, beta, g, scale=SCALE, initial_state=s0,
+                                  chunk_size=16, interpret=True)
+    assert s is None
+    assert rel(o, reference(*args)[0]) < 1e-5
+    # Without a final-state output the gradient flows through o only.
+    gq = jax.grad(lambda q: jnp.sum(chunk_delta_family_gpu(
+        q, k, v, beta, g, scale=SCALE, initial_state=s0, chunk_size=16, interpret=True)[0]))(q)
+    gr = jax.grad(lambda q: jnp.sum(reference(q, k, v, beta, g, s0)[0]))(q)
+    assert rel(gq, gr) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 inputs: float32 accumulation, within 1e-2 of the float32 scan on the same inputs
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_bf16(gate):
+    args, w = make(4, gate=gate, K=32, V=32, T_=41)
+    args = [None if a is None else a.astype(jnp.bfloat16) if i < 4 else a
+            for i, a in enumerate(args)]
+    check_all(args, w, 1e-2)
+
+
+def test_bf16_float32_storage_and_extreme_gates():
+    args, w = make(5, gate="channel", strength="extreme")
+    args = [None if a is None else a.astype(jnp.bfloat16) if i < 4 else a
+            for i, a in enumerate(args)]
+    check_all(args, w, 1e-2, block_sizes=GpuBlockSizes(inter_dtype="float32",
+                                                       state_dtype="input"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences: no state crosses a boundary
+
+
+@pytest.mark.parametrize("gate", [pytest.param("none", marks=pytest.mark.slow), "scalar",
+                                  "channel"])
+def test_varlen_matches_separate_sequences(gate):
+    lens = [5, 0, 23, 16, 9]                   # an empty sequence and one exactly one chunk
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    n = len(lens)
+    args, w = make(6, gate=gate, T_=int(cu[-1]), K=16, V=16, n_states=n)
+
+    def packed(*a):
+        return pallas(*a, cu_seqlens=jnp.asarray(cu))
+
+    def separate(q, k, v, beta, g, s0):
+        os, ss = [], []
+        for i in range(n):
+            a, b = cu[i], cu[i + 1]
+            if a == b:
+                ss.append(s0[i])
+                continue
+            o, s = reference(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b],
+                             None if g is None else g[:, a:b], s0[i:i + 1])
+            os.append(o)
+            ss.append(s[0])
+        return jnp.concatenate(os, axis=1), jnp.stack(ss)
+
+    o1, s1 = packed(*args)
+    o2, s2 = separate(*args)
+    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
+    argnums, g1 = grads(packed, args, w)
+    _, g2 = grads(separate, args, w)
+    for i, a, b in zip(argnums, g1, g2):
+        assert rel(a, b) < 1e-5, (NAMES[i], rel(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel L2 normalisation of q and k
+
+
+@pytest.mark.parametrize("gate", ["none", "channel"])
+def test_normalize_qk_matches_normalising_outside(gate):
+    args, w = make(7, gate=gate, T_=21)
+    q, k, v, beta, g, s0 = args
+    q, k = 3.0 * q, 2.0 * k + 0.1                       # not unit norm
+
+    def l2(x):
+        return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+    def inside(q, k, v, beta, g, s0):
+        return pallas(q, k, v, beta, g, s0, normalize_qk=True)
+
+    def outside(q, k, v, beta, g, s0):
+        return reference(l2(q), l2(k), v, beta, g, s0)
+
+    args = [q, k, v, beta, g, s0]
+    assert rel(inside(*args)[0], outside(*args)[0]) < 1e-5
+    argnums, g1 = grads(inside, args, w)
+    _, g2 = grads(outside, args, w)
+    for i, a, b in zip(argnums, g1, g2):
+        assert rel(a, b) < 1e-5, (NAMES[i], rel(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Head dim 64 and chunk 64 (the GPU configuration), one call each
+
+
+@pytest.mark.parametrize("gate", ["scalar", pytest.param("channel", marks=pytest.mark.slow)])
+def test_head_dim_64_chunk_64(gate):
+    args, w = make(8, gate=gate, K=64, V=64, T_=70, H_=1)
+    check_all(args, w, 1e-5, chunk_size=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_slow_more_shapes(gate, chunk):
+    args, w = make(9, gate=gate, K=32, V=64, T_=131, B_=2, H_=2, strength="extreme")
+    check_all(args, w, 1e-5, chunk_size=chunk)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def test_validation_errors():
+    args, _ = make(10, gate="scalar")
+    q, k, v, beta, g, s0 = args
+    f = functools.partial(chunk_delta_family_gpu, interpret=True)
+    with pytest.raises(ValueError, match="`k`"):
+        f(q, k[:, :5], v, beta, g)
+    with pytest.raises(ValueError, match="`g`"):
+        f(q, k, v, beta, g[..., None, None])
+    with pytest.raises(ValueError, match="`beta`"):
+        f(q, k, v, beta[:, :3], g)
+    with pytest.raises(ValueError, match="`initial_state`"):
+        f(q, k, v, beta, g, initial_state=s0[..., :3])
+    with pytest.raises(ValueError, match="`chunk_size`"):
+        f(q, k, v, beta, g, chunk_size=48)
+    with pytest.raises(TypeError, match="`q`"):
+        f(q.astype(jnp.float16), k, v, beta, g)
+    with pytest.raises(TypeError, match="share one dtype"):
+        f(q.astype(jnp.bfloat16), k, v, beta, g)
+    with pytest.raises(ValueError, match="`q`"):
+        f(q[..., :12], k[..., :12], v, beta, g)            # 12 is not a supported head dim
+    with pytest.raises(ValueError, match="on GPU"):        # 16 runs in interpret mode only
+        chunk_delta_family_gpu(q, k, v, beta, g, interpret=False)
+    with pytest.raises(ValueError, match="`cu_seqlens`"):
+        f(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]),
+          jnp.concatenate([beta, beta]), jnp.concatenate([g, g]),
+          cu_seqlens=np.array([0, T], np.int32))
+    with pytest.raises(ValueError, match="`cu_seqlens`"):
+        f(q, k, v, beta, g, cu_seqlens=np.array([0, 5, T - 1], np.int32))
+    with pytest.raises(TypeError, match="`cu_seqlens`"):
+        f(q, k, v, beta, g, cu_seqlens=np.array([0.0, T]))
+    with pytest.raises(ValueError, match="block_v"):
+        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(block_v=24))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton lowering, checked on CPU: export forward + backward for CUDA (lowers every kernel
+# to Triton IR: unsupported primitives, non-power-of-two tensors or bad dot shapes fail here).
+
+
+def _lower_for_cuda(gate, K, V, dtype, *, chunk=64, varlen=False, normalize=False):
+    args, _ = make(11, gate=gate, K=K, V=V, T_=128)
+    q, k, v, beta, g, _ = args
+    q, k, v, beta = (x.astype(dtype) for x in (q, k, v, beta))
+    cu = jnp.asarray([0, 50, 128], jnp.int32) if varlen else None
+    s0 = jnp.zeros((2 if varlen else 1, H, K, V), jnp.float32)
+
+    def loss(q, k, v, beta, g, s0):
+        o, s = chunk_delta_family_gpu(q, k, v, beta, g, scale=0.1, initial_state=s0,
+                                      output_final_state=True, chunk_size=chunk,
+                                      interpret=False, cu_seqlens=cu,
+                                      normalize_qk=normalize)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    argnums = tuple(i for i, a in enumerate((q, k, v, beta, g, s0)) if a is not None)
+    exp = export.export(
+        jax.jit(jax.grad(loss, argnums=argnums)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, k, v, beta, g, s0)
+    return exp.mlir_module().count("xla.gpu.triton")
+
+
+@pytest.mark.parametrize("gate,K,dtype", [("none", 128, jnp.bfloat16),
+                                          ("scalar", 128, jnp.bfloat16),
+                                          ("scalar", 64, jnp.float32),
+                                          ("channel", 128, jnp.bfloat16)])
+def test_triton_lowering(gate, K, dtype):
+    n = _lower_for_cuda(gate, K, K, dtype)
+    assert n == (5 if gate == "channel" else 4)
+
+
+def test_triton_lowering_varlen_normalize():
+    assert _lower_for_cuda("scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True,
+                           normalize=True) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("K", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_triton_lowering_all(gate, K, dtype):
+    assert _lower_for_cuda(gate, K, K, dtype) >= 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Real GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_gpu_compiled(gate, dtype, tol):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args, w = make(12, gate=gate, K=128, V=128, T_=333, B_=2, H_=2)
+    args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
+
+    def run(*a):
+        return chunk_delta_family_gpu(*a[:5], scale=SCALE, initial_state=a[5],
+                                      output_final_state=True, chunk_size=64, interpret=False)
+
+    def ref(*a):
+        return recurrent_delta_family(*[None if x is None else x.astype(jnp.float32)
+                                        for x in a[:5]], scale=SCALE, initial_state=a[5],
+                                      output_final_state=True)
+
+    o1, s1 = run(*args)
+    o2, s2 = ref(*args)
+    assert rel(o1, o2) < tol and rel(s1, s2) < tol
+    argnums, g1 = grads(run, args, w)
+    _, g2 = grads(ref, args, w)
+    for i, a, b in zip(argnums, g1, g2):
+        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
