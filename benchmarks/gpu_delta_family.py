@@ -15,7 +15,9 @@ Parts (env PARTS, comma separated, default "check,bench,fla,tune"):
   fla    the same with fla's chunk_gated_delta_rule / chunk_delta_rule / chunk_kda in this
          process (as ../shared/bench/anchors_gpu.py does), if `import fla` works.
   tune   gdn fwd and fwd+bwd at the first shape for a few GpuBlockSizes (warps, V blocks,
-         pipeline stages, residual storage dtypes): which defaults to keep.
+         pipeline stages, residual storage dtypes): which defaults to keep (TUNE_OPS, TUNE_ONLY).
+  stages each of our kernels timed alone at the first shape (where the time goes).
+  memory_ours / memory_fla   peak device memory of one fwd+bwd; one of them per process.
 Rough durations (compiles included): check 5-8 min, bench 3-5 min per shape, tune 3-5 min; the
 command limit is 10 min, so run e.g. PARTS=check, then PARTS=bench,fla, then PARTS=tune.
 Env: SHAPES="4,4096,16,128;1,16384,16,128" (B,T,H,D; ';' separated), OPS="gdn,deltanet,kda",
@@ -70,7 +72,7 @@ PARTS = os.environ.get("PARTS", "check,bench,fla,tune").split(",")
 SHAPES = [tuple(int(x) for x in s.split(","))
           for s in os.environ.get("SHAPES", "4,4096,16,128;1,16384,16,128").split(";") if s]
 OPS = os.environ.get("OPS", "gdn,deltanet,kda").split(",")
-VARIANTS = os.environ.get("VARIANTS", "pallas,pallas_h16,xla").split(",")
+VARIANTS = os.environ.get("VARIANTS", "pallas,xla").split(",")
 REPS = int(os.environ.get("REPS", "30"))
 INTERPRET = os.environ.get("INTERPRET") == "1"     # CPU smoke test of this script only
 RESULTS = {"device": str(jax.devices()[0]), "jax": jax.__version__, "check": {}, "bench": {}}
@@ -197,8 +199,11 @@ def run_checks():
                       (1, 300, 2, 256, 64, gate, jnp.float32), 32))
         cases.append((f"{gate}/bf16/varlen/T777H4D128",
                       (1, 777, 4, 128, 128, gate, jnp.bfloat16), 64, [0, 100, 101, 600, 777]))
+    only = os.environ.get("CHECKS")
     for case in cases:
         name, shp = case[0], case[1]
+        if only and not any(part in name for part in only.split(",")):
+            continue
         chunk = case[2] if len(case) > 2 else 64
         cu = case[3] if len(case) > 3 else None
         try:
@@ -231,18 +236,14 @@ def time_jax(f, *args, reps=REPS, inner=5):
 
 
 def jax_fns(variant, gate, K):
-    scale = 1.0 / math.sqrt(K)
-    if variant.startswith("pallas"):
-        bs = gpu.GpuBlockSizes(state_dtype="input") if variant == "pallas_h16" else None
+    """fwd and fwd+bwd through the public ops (what users call): impl="pallas" or "chunk"."""
+    from atlas_jax import ops
+    op = {"none": ops.delta_rule, "scalar": ops.gated_delta_rule, "channel": ops.kda}[gate]
+    impl = {"pallas": "pallas", "xla": "chunk"}[variant]
 
-        def fwd(q, k, v, beta, g):
-            return gpu.chunk_delta_family_gpu(q, k, v, beta, g, scale=scale, chunk_size=64,
-                                              interpret=INTERPRET, block_sizes=bs)[0]
-    elif variant == "xla":
-        def fwd(q, k, v, beta, g):
-            return chunk_delta_family(q, k, v, beta, g, scale=scale, chunk_size=64)[0]
-    else:
-        raise ValueError(variant)
+    def fwd(q, k, v, beta, g):
+        args = (q, k, v, beta) if g is None else (q, k, v, g, beta)
+        return op(*args, impl=impl, chunk_size=64)[0]
 
     def fwdbwd(q, k, v, beta, g, do):
         o, vjp = jax.vjp(fwd, q, k, v, beta, g)
@@ -259,8 +260,8 @@ def bench_jax(shape):
         gate = GATE_OF[op]
         q, k, v, beta, g, do = make_inputs(B, T, H, D, D, gate, jnp.bfloat16)
         for variant in VARIANTS:
-            if variant == "pallas_h16" and op != "gdn":
-                continue
+            if variant == "xla" and op == "kda" and T * B > 8192:
+                continue   # the XLA KDA form materialises [C, C, K] decays: 60+ ms, not informative
             fwd, fwdbwd = jax_fns(variant, gate, D)
             for mode, fn, args in (("fwd", fwd, (q, k, v, beta, g)),
                                    ("fwdbwd", fwdbwd, (q, k, v, beta, g, do))):
@@ -355,12 +356,20 @@ TUNE = {
 
 
 def tune(shape):
+    for op in os.environ.get("TUNE_OPS", "gdn").split(","):
+        tune_op(shape, op)
+
+
+def tune_op(shape, op):
     B, T, H, D = shape
     key = "x".join(map(str, shape))
     res = RESULTS.setdefault("tune", {}).setdefault(key, {})
-    q, k, v, beta, g, do = make_inputs(B, T, H, D, D, "scalar", jnp.bfloat16)
+    q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
     scale = 1.0 / math.sqrt(D)
+    only = os.environ.get("TUNE_ONLY")
     for name, kw in TUNE.items():
+        if only and name not in only.split(","):
+            continue
         bs = gpu.GpuBlockSizes(**kw)
 
         def fwd(q, k, v, beta, g, bs=bs):
@@ -373,13 +382,90 @@ def tune(shape):
         for mode, fn, args in (("fwd", jax.jit(fwd), (q, k, v, beta, g)),
                                ("fwdbwd", jax.jit(fwdbwd), (q, k, v, beta, g, do))):
             try:
-                res[f"{name}/{mode}"] = ms = time_jax(fn, *args)
-                log(f"[tune]  {key} gdn {name:14s} {mode:7s} {ms:8.3f} ms")
+                res[f"{op}/{name}/{mode}"] = ms = time_jax(fn, *args)
+                log(f"[tune]  {key} {op} {name:14s} {mode:7s} {ms:8.3f} ms")
             except Exception as e:  # noqa: BLE001
-                res[f"{name}/{mode}"] = f"error: {type(e).__name__}: {str(e)[:300]}"
-                log(f"[tune]  {key} gdn {name:14s} {mode:7s} ERROR {type(e).__name__}: "
+                res[f"{op}/{name}/{mode}"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                log(f"[tune]  {key} {op} {name:14s} {mode:7s} ERROR {type(e).__name__}: "
                     f"{str(e)[:1000]}")
             save()
+
+
+def stages(shape):
+    """Per-kernel times of our Pallas path (each stage jitted alone on precomputed inputs)."""
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    res = RESULTS.setdefault("stages", {}).setdefault(key, {})
+    for op in OPS:
+        q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
+        try:
+            q, k, v, beta, g, s0, cu, st = gpu._prepare(q, k, v, beta, g, 1.0 / math.sqrt(D), None, False, 64,
+                                                        None, False, INTERPRET, None)
+            k1 = jax.jit(lambda q, k, v, beta, g: gpu._intra_forward(st, q, k, v, beta, g, True))
+            r1 = k1(q, k, v, beta, g)
+            k2 = jax.jit(lambda q, k, v, g, r1: gpu._state_forward(st, q, k, v, g, None, None, r1, True))
+            r2 = k2(q, k, v, g, r1)
+            saved = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"])
+            k3 = jax.jit(lambda q, k, g, saved, do: gpu._state_backward(st, q, k, g, None, saved, do, None))
+            r3 = k3(q, k, g, saved, do)
+            k4 = jax.jit(lambda q, k, v, beta, g, saved, do, r3: gpu._intra_backward(st, q, k, v, beta, g, saved,
+                                                                                     do, r3))
+            times = {"K1 intra fwd": time_jax(k1, q, k, v, beta, g),
+                     "K2 state fwd (+h store)": time_jax(k2, q, k, v, g, r1),
+                     "K3 state bwd": time_jax(k3, q, k, g, saved, do),
+                     "K4 intra bwd": time_jax(k4, q, k, v, beta, g, saved, do, r3)}
+            res[op] = times
+            log(f"[stages] {key} {op}: " + "  ".join(f"{n}={t:.3f} ms" for n, t in times.items()))
+        except Exception as e:  # noqa: BLE001
+            res[op] = f"error: {type(e).__name__}: {str(e)[:300]}"
+            log(f"[stages] {key} {op} ERROR {type(e).__name__}: {str(e)[:1500]}")
+            traceback.print_exc()
+        save()
+
+
+def memory(shape, who):
+    """Peak device memory of one fwd+bwd (this process only; run one `who` per process)."""
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    res = RESULTS.setdefault("memory", {}).setdefault(key, {})
+    for op in OPS:
+        try:
+            if who == "ours":
+                q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
+                _, fwdbwd = jax_fns("pallas", GATE_OF[op], D)
+                jax.block_until_ready(fwdbwd(q, k, v, beta, g, do))
+                stats = jax.devices()[0].memory_stats() or {}
+                peak = stats.get("peak_bytes_in_use", float("nan")) / 1e9
+            else:
+                import torch
+                import fla.ops.common.chunk_o as _co
+                _co.TRITON_ABOVE_3_7_1 = True
+                from fla.ops.delta_rule import chunk_delta_rule
+                from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+                from fla.ops.kda import chunk_kda
+                torch.cuda.reset_peak_memory_stats()
+                bf, dev = torch.bfloat16, "cuda"
+                mk = lambda *s: torch.randn(*s, device=dev, dtype=bf)   # noqa: E731
+                q = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
+                k = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
+                v = mk(B, T, H, D).requires_grad_()
+                beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf).requires_grad_()
+                shape_g = (B, T, H, D) if op == "kda" else (B, T, H)
+                g = torch.nn.functional.logsigmoid(torch.randn(*shape_g, device=dev)).requires_grad_()
+                fn = {"gdn": lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
+                      "deltanet": lambda: chunk_delta_rule(q, k, v, beta)[0],
+                      "kda": lambda: chunk_kda(q, k, v, g, beta)[0]}[op]
+                fn().backward(mk(B, T, H, D))
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() / 1e9
+                del q, k, v, beta, g
+                torch.cuda.empty_cache()
+            res[f"{op}/{who}"] = peak
+            log(f"[memory] {key} {op}/{who} fwd+bwd peak {peak:.2f} GB")
+        except Exception as e:  # noqa: BLE001
+            res[f"{op}/{who}"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+            log(f"[memory] {key} {op}/{who} ERROR {type(e).__name__}: {str(e)[:1000]}")
+        save()
 
 
 def table():
@@ -411,6 +497,12 @@ def main():
             bench_fla(shape)
     if "tune" in PARTS and SHAPES:
         tune(SHAPES[0])
+    if "stages" in PARTS and SHAPES:
+        stages(SHAPES[0])
+    for who in ("ours", "fla"):
+        if f"memory_{who}" in PARTS:
+            for shape in SHAPES:
+                memory(shape, who)
     table()
     save()
     log("DONE " + json.dumps({k: v for k, v in RESULTS.items() if k != "check"}, default=str))

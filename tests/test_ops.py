@@ -276,3 +276,91 @@ def test_validation_delta_product():
         ops.delta_product(q, k, v[:, :, :, :1], g, beta)
     with pytest.raises(ValueError, match=r"delta_product.*`beta`.*\[B, T, H, n_h\]"):
         ops.delta_product(q, k, v, g, beta[..., 0])
+
+
+# ---- impl="pallas" through the public ops (interpret mode on CPU), varlen and q/k normalisation
+
+
+def _pallas_inputs(seed, gate, B=1, T=37, H=2, K=16, V=32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    g = None
+    if gate == "scalar":
+        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    elif gate == "channel":
+        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H, K)))
+    s0 = jax.random.normal(ks[5], (B, H, K, V))
+    return q, k, v, beta, g, s0
+
+
+@pytest.mark.parametrize("op", ["delta_rule", "gated_delta_rule", "kda"])
+def test_pallas_impl_matches_chunk_outputs_states_and_gradients(op):
+    gate = {"delta_rule": None, "gated_delta_rule": "scalar", "kda": "channel"}[op]
+    q, k, v, beta, g, s0 = _pallas_inputs(11, gate)
+    fn = getattr(ops, op)
+    args = (q, k, v, beta) if g is None else (q, k, v, g, beta)
+
+    def loss(impl, *a):
+        o, s = fn(*a, initial_state=s0, output_final_state=True, impl=impl, chunk_size=16)
+        return jnp.sum(o * jnp.cos(o)) + jnp.sum(s * s), (o, s)
+
+    grads = {}
+    for impl in ("chunk", "pallas"):
+        grads[impl], (o, s) = jax.grad(lambda *a: loss(impl, *a), argnums=tuple(range(len(args))),
+                                       has_aux=True)(*args)
+        grads[impl] = (o, s) + tuple(grads[impl])
+    for a, b in zip(grads["pallas"], grads["chunk"]):
+        assert rel(a, b) < 1e-5
+
+
+def test_pallas_rejects_what_the_kernels_do_not_cover():
+    q, k, v, beta, g, s0 = _pallas_inputs(12, None, K=16, V=24)
+    with pytest.raises(NotImplementedError, match=r"impl='pallas' does not support head dims"):
+        ops.delta_rule(q, k, v, beta, impl="pallas")
+    q, k, v, beta, g, s0 = _pallas_inputs(12, None)
+    with pytest.raises(NotImplementedError, match=r"delta write only"):
+        ops.linear_attention(q, k, v, None, beta, impl="pallas")
+    # on CPU, auto keeps to the XLA chunk form
+    o_auto, _ = ops.delta_rule(q, k, v, beta, impl="auto", chunk_size=16)
+    o_chunk, _ = ops.delta_rule(q, k, v, beta, impl="chunk", chunk_size=16)
+    assert rel(o_auto, o_chunk) == 0.0
+
+
+@pytest.mark.parametrize("impl", ["recurrent", "chunk", "pallas"])
+def test_packed_sequences_equal_separate_runs(impl):
+    q, k, v, beta, g, _ = _pallas_inputs(13, "scalar", T=45)
+    cu = np.array([0, 10, 10, 31, 45])
+    s0 = jax.random.normal(jax.random.PRNGKey(14), (4, 2, 16, 32))
+    o, s = ops.gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, impl=impl,
+                                chunk_size=16, cu_seqlens=cu)
+    for i in range(4):
+        a, b = cu[i], cu[i + 1]
+        if a == b:
+            assert rel(s[i], s0[i]) == 0.0
+            continue
+        oi, si = ops.gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                      initial_state=s0[i:i + 1], output_final_state=True, impl="recurrent")
+        assert rel(o[:, a:b], oi) < 1e-5 and rel(s[i], si[0]) < 1e-5
+
+
+def test_cu_seqlens_errors():
+    q, k, v, beta, g, _ = _pallas_inputs(15, "scalar", T=20)
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must be non-decreasing offsets from 0 to T = 20"):
+        ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens=np.array([0, 5, 19]))
+    with pytest.raises(ValueError, match=r"`initial_state` must have shape \[N, H, K, V\]"):
+        ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens=np.array([0, 5, 20]),
+                             initial_state=jnp.zeros((1, 2, 16, 32)))
+
+
+@pytest.mark.parametrize("impl", ["chunk", "pallas"])
+def test_qk_l2norm_in_kernel_equals_normalising_first(impl):
+    q, k, v, beta, g, s0 = _pallas_inputs(16, "channel")
+    k = 3.0 * k
+    o, _ = ops.kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, impl=impl, chunk_size=16)
+    unit = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+    o_ref, _ = ops.kda(unit(q), unit(k), v, g, beta, impl="recurrent")
+    assert rel(o, o_ref) < 1e-5

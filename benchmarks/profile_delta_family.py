@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Where the time goes: per-kernel GPU durations of our Pallas kernels and fla's, side by side.
+
+Run under Nsight Compute on the GPU machine, from the repository root:
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file $OUT/ncu.csv python3 benchmarks/profile_delta_family.py
+    python3 benchmarks/profile_delta_family.py --parse $OUT/ncu.csv
+
+Everything is compiled and warmed up first; only one call of each phase (ours fwd, ours fwd+bwd,
+fla fwd, fla fwd+bwd, per op) runs between cudaProfilerStart/Stop, each phase opened by a marker
+kernel (torch.cuda._sleep) so the CSV can be split into phases. Env: SHAPE="4,4096,16,128",
+OPS="gdn,deltanet,kda".
+"""
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from collections import defaultdict
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+MARKER = "spin"
+
+
+def parse(path):
+    """Prints per-phase kernel durations (µs) from an ncu --csv log."""
+    names_file = os.path.join(os.path.dirname(path), "phases.txt")
+    phases = open(names_file).read().split(",") if os.path.exists(names_file) else []
+    rows = []
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    for rec in csv.DictReader(lines):
+        if rec.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        value = float(rec["Metric Value"].replace(",", ""))
+        unit = rec.get("Metric Unit", "ns")
+        us = value / 1e3 if unit == "nsecond" or unit == "ns" else value if unit in ("usecond", "us") else value * 1e3
+        rows.append((rec["Kernel Name"], us))
+    current, order, totals = None, [], defaultdict(list)
+    index = 0
+    for name, us in rows:
+        if MARKER in name.lower():
+            current = phases[index] if index < len(phases) and phases[index] else f"phase{index}"
+            order.append(current)
+            index += 1
+            continue
+        if current is not None:
+            totals[current].append((name, us))
+    for phase in order:
+        kernels = totals[phase]
+        print(f"== {phase}: {sum(us for _, us in kernels):9.1f} us in {len(kernels)} kernels")
+        merged = defaultdict(float)
+        for name, us in kernels:
+            merged[name[:90]] += us
+        for name, us in sorted(merged.items(), key=lambda x: -x[1]):
+            print(f"   {us:9.1f} us  {name}")
+
+
+def main():
+    import jax
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
+    import gpu_delta_family as bench   # noqa: E402  (same inputs and wrappers as the benchmark)
+
+    B, T, H, D = (int(x) for x in os.environ.get("SHAPE", "4,4096,16,128").split(","))
+    ops = os.environ.get("OPS", "gdn,deltanet,kda").split(",")
+    import fla.ops.common.chunk_o as _co
+    _co.TRITON_ABOVE_3_7_1 = True
+    from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    phases = []
+    for op in ops:
+        gate = bench.GATE_OF[op]
+        q, k, v, beta, g, do = bench.make_inputs(B, T, H, D, D, gate, jax.numpy.bfloat16)
+        fwd, fwdbwd = bench.jax_fns("pallas", gate, D)
+        ours = {"fwd": lambda: fwd(q, k, v, beta, g), "fwdbwd": lambda: fwdbwd(q, k, v, beta, g, do)}
+        tq = lambda x: torch.from_dlpack(x).detach().clone().requires_grad_()   # noqa: E731
+        tq_, tk_, tv_, tb_ = tq(q), tq(k), tq(v), tq(beta)
+        tg_ = None if g is None else tq(g)
+        tdo = torch.from_dlpack(do).clone()
+        fla_fn = {"gdn": lambda: chunk_gated_delta_rule(tq_, tk_, tv_, tg_, tb_)[0],
+                  "deltanet": lambda: chunk_delta_rule(tq_, tk_, tv_, tb_)[0],
+                  "kda": lambda: chunk_kda(tq_, tk_, tv_, tg_, tb_)[0]}[op]
+        theirs = {"fwd": fla_fn, "fwdbwd": lambda: fla_fn().backward(tdo)}
+        for _ in range(3):
+            for f in ours.values():
+                jax.block_until_ready(f())
+            for f in theirs.values():
+                f()
+        torch.cuda.synchronize()
+        phases.append((op, ours, theirs))
+
+    names = []
+    torch.cuda.profiler.start()
+    for op, ours, theirs in phases:
+        for mode in ("fwd", "fwdbwd"):
+            torch.cuda._sleep(1000)
+            torch.cuda.synchronize()
+            jax.block_until_ready(ours[mode]())
+            names.append(f"{op}/ours/{mode}")
+            torch.cuda._sleep(1000)
+            torch.cuda.synchronize()
+            theirs[mode]()
+            torch.cuda.synchronize()
+            names.append(f"{op}/fla/{mode}")
+    torch.cuda.profiler.stop()
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "phases.txt"), "w") as f:
+        f.write(",".join(names))
+    print("phases: " + ",".join(names), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--parse":
+        parse(sys.argv[2])
+    else:
+        main()
