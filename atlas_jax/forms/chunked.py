@@ -50,19 +50,25 @@ def is_exact(spec) -> bool:
 
 
 def exact_chunked(spec, params, steps: Steps, *, chunk_size: int):
-    """Exact chunked form over [B, S, H, ·] steps; ``params`` = {"S": [B, H, d_in, d_out]}."""
-    from atlas_jax.ops.delta_family.chunk import chunk_delta_family
+    """Exact chunked form over [B, S, H, ·] steps; ``params`` = {"S": [B, H, d_in, d_out]}.
+
+    Runs on the ops' dispatcher: the Pallas kernels on GPU/TPU when they cover the call, the
+    exact XLA chunk form otherwise (always on CPU).
+    """
+    from atlas_jax.ops.delta_family.api import _resolve_impl, _run
 
     opt_info = inner_opt.info(spec.optimizer)
     beta = steps.step_size if steps.step_size is not None else jnp.full(steps.gates.shape, opt_info.step_size)
     beta = beta * steps.gates
     if opt_info.kind == "implicit_gd":
         beta = beta / (1.0 + beta * jnp.sum(jnp.square(steps.inputs), axis=-1))
-    o, final = chunk_delta_family(
-        steps.queries, steps.inputs, steps.targets, beta,
-        steps.log_decay if spec.retention.decay != "none" else None,
-        delta=isinstance(spec.objective, L2), scale=1.0, initial_state=params["S"],
-        output_final_state=True, chunk_size=chunk_size)
+    delta = isinstance(spec.objective, L2)
+    impl = _resolve_impl("MemorySpec", "auto", delta=delta, q=steps.queries, v=steps.targets,
+                         chunk_size=chunk_size)
+    o, final = _run(impl, steps.queries, steps.inputs, steps.targets, beta,
+                    steps.log_decay if spec.retention.decay != "none" else None,
+                    delta=delta, scale=1.0, initial_state=params["S"], output_final_state=True,
+                    chunk_size=chunk_size)
     return o, {"S": final}
 
 
