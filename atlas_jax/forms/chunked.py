@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import optax
 
 from atlas_jax import optimizers as inner_opt
-from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, decay_matrix, safe_log,
-                                    window_gradient)
+from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, decay_matrix, optimizer_extra_args,
+                                    safe_log, window_gradient)
 from atlas_jax.memory import LinearMemory
 from atlas_jax.retention import decay_tree
 from atlas_jax.objectives import L2, Dot
@@ -109,14 +109,8 @@ def _scanned_steps(spec, grads, opt_state, base0, steps: Steps, windows, sq_norm
     transform may read its params: least squares returns θ* − θ). Returns A_t for every step."""
     opt = optax.with_extra_args_support(spec.optimizer)
     retention = spec.retention
-    per_step = {"inputs": windows["inputs"], "targets": windows["targets"], "weights": windows["weights"],
-                "input_sq_norm": sq_norm}
-    if steps.step_size is not None:
-        per_step["step_size"] = steps.step_size
-    if steps.momentum_decay is not None:
-        per_step["momentum_decay"] = steps.momentum_decay
-    if steps.log_decay is not None and steps.log_decay.ndim == 1:
-        per_step["decay"] = jnp.exp(steps.log_decay)
+    per_step = optimizer_extra_args(steps, windows["inputs"], windows["targets"], windows["weights"], sq_norm,
+                                    scalar_decay=steps.log_decay is not None and steps.log_decay.ndim == 1)
 
     def body(carry, xs):
         state, base = carry

@@ -58,6 +58,22 @@ def window_gradient(memory, objective, params, inputs, targets, weights, delta):
     return grads
 
 
+def optimizer_extra_args(steps: Steps, inputs, targets, weights, sq_norm, scalar_decay: bool) -> dict:
+    """The keyword-only extra args every inner optimizer update receives (see optimizers.py).
+
+    ``steps`` holds one step's knobs or a chunk's (then every value has a leading step axis);
+    ``scalar_decay`` says whether the log-decay is a scalar per step (least squares reads α_t).
+    """
+    extra = {"input_sq_norm": sq_norm, "inputs": inputs, "targets": targets, "weights": weights}
+    if steps.step_size is not None:
+        extra["step_size"] = steps.step_size
+    if steps.momentum_decay is not None:
+        extra["momentum_decay"] = steps.momentum_decay
+    if steps.log_decay is not None and scalar_decay:
+        extra["decay"] = jnp.exp(steps.log_decay)
+    return extra
+
+
 def tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 

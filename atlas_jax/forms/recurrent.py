@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from atlas_jax.forms.common import MemoryState, Steps, WindowCache, tree_add, window_gradient
+from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, optimizer_extra_args, tree_add,
+                                    window_gradient)
 from atlas_jax.retention import decay_tree
 
 __all__ = ["recurrent_sequence", "inner_step"]
@@ -48,14 +49,9 @@ def inner_step(spec, state: MemoryState, x: Steps):
         point = retention.map(base) if retention.has_map else base
 
     grads = window_gradient(memory, objective, point, inputs, targets, weights, delta)
-    extra = {"input_sq_norm": jnp.sum(weights * jnp.sum(jnp.square(inputs), axis=-1)),
-             "inputs": inputs, "targets": targets, "weights": weights}
-    if x.step_size is not None:
-        extra["step_size"] = x.step_size
-    if x.momentum_decay is not None:
-        extra["momentum_decay"] = x.momentum_decay
-    if x.log_decay is not None and x.log_decay.ndim == 0:
-        extra["decay"] = jnp.exp(x.log_decay)
+    sq_norm = jnp.sum(weights * jnp.sum(jnp.square(inputs), axis=-1))
+    extra = optimizer_extra_args(x, inputs, targets, weights, sq_norm,
+                                 scalar_decay=x.log_decay is not None and x.log_decay.ndim == 0)
     updates, new_opt_state = opt.update(grads, opt_state, point, **extra)
 
     new_acc = tree_add(base, updates)
