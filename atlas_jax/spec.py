@@ -106,10 +106,15 @@ class MemorySpec:
             else:
                 params = raw
             params = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,) + x.shape), params)
-        return self._state_from_params(params, batch, heads, d_v)
+        return self._state_from_params(params, batch, heads, d_k, d_v)
 
-    def _state_from_params(self, params, batch, heads, d_v) -> MemoryState:
-        params = jax.tree.map(lambda x: _broadcast_params(x, batch, heads), params)
+    def _state_from_params(self, params, batch, heads, d_k, d_v) -> MemoryState:
+        """Broadcasts θ given per head ([H, ...]), per batch and head ([B, H, ...]) or shared."""
+        per_head = jax.eval_shape(lambda: self.memory.init(jax.random.PRNGKey(0), self.feature_dim(d_k), d_v))
+        if jax.tree.structure(per_head) != jax.tree.structure(params):
+            raise ValueError(f"initial_state: params must have the keys {sorted(per_head)} of a "
+                             f"{self.memory.describe()} memory, got {sorted(params)}")
+        params = jax.tree.map(lambda x, ref: _broadcast_params(x, ref.shape, batch, heads), params, per_head)
         per_head = lambda p: self._fresh_aux(p, d_v)
         opt_state, acc, win = jax.vmap(jax.vmap(per_head))(params)
         return MemoryState(params, opt_state, acc, win)
@@ -171,18 +176,18 @@ class MemorySpec:
                 raise ValueError(f"initial_state: expected shape {expected} (B, H, d_φ, V), got {tuple(initial_state.shape)}")
             initial_state = {"S": initial_state}
         if isinstance(initial_state, dict):
-            return self._state_from_params(initial_state, batch, heads, d_v)
+            return self._state_from_params(initial_state, batch, heads, d_k, d_v)
         raise TypeError(f"initial_state: expected None, a MemoryState, a params dict or an array, "
                         f"got {type(initial_state).__name__}")
 
 
-def _broadcast_params(x, batch, heads):
+def _broadcast_params(x, leaf_shape, batch, heads):
     x = jnp.asarray(x, jnp.float32)
-    if x.ndim >= 2 and x.shape[:2] == (batch, heads):
-        return x
-    if x.ndim >= 1 and x.shape[0] == heads:
-        return jnp.broadcast_to(x, (batch,) + x.shape)
-    return jnp.broadcast_to(x, (batch, heads) + x.shape)
+    leading = x.shape[:x.ndim - len(leaf_shape)]
+    if x.shape[len(leading):] != tuple(leaf_shape) or leading not in ((), (heads,), (batch, heads)):
+        raise ValueError(f"initial_state: a parameter of shape {tuple(x.shape)} is not {tuple(leaf_shape)} "
+                         f"per head; expected {tuple(leaf_shape)}, [H={heads}, ...] or [B={batch}, H={heads}, ...]")
+    return jnp.broadcast_to(x, (batch, heads) + tuple(leaf_shape))
 
 
 def _input_dim(params, memory):

@@ -127,3 +127,16 @@ def test_a_state_from_another_optimizer_is_refused(inputs):
         adam(q, k, v, g=g, initial_state=state)
     o, _ = adam(q, k, v, g=g, initial_state=state.params)
     assert o.shape == v.shape
+
+
+def test_initial_params_are_broadcast_by_shape_not_by_guess(inputs):
+    q, k, v, beta, g = inputs
+    spec = presets.get("deltanet")
+    S = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 3))                 # [H, K, V] per head
+    o_heads, _ = spec(q, k, v, beta=beta, initial_state={"S": S})
+    o_full, _ = spec(q, k, v, beta=beta, initial_state={"S": S[None]})      # [B, H, K, V]
+    assert jnp.allclose(o_heads, o_full)
+    with pytest.raises(ValueError, match=r"^initial_state: a parameter of shape \(2, 5, 3\) is not \(4, 3\)"):
+        spec(q, k, v, beta=beta, initial_state={"S": jnp.ones((2, 5, 3))})
+    with pytest.raises(ValueError, match=r"^initial_state: params must have the keys \['S'\]"):
+        spec(q, k, v, beta=beta, initial_state={"W": S})
