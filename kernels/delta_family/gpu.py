@@ -13,8 +13,14 @@ Semantics (per token t, state S in R^{K x V}, float32), as `atlas_jax.ops.chunk_
     o_t = S^T (scale q_t)
 
 Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks:
-  forward   K1 intra  grid (NT, B, H): blocked (I + diag(beta) A)^-1, W, U0 (+ P for KDA)
-            K2 state  grid (NS, H, V/BV): sequential over chunks, fused output O and final state
+  forward   K1 intra  grid (NT, B, H): blocked (I + diag(beta) A)^-1 (16x16 diagonal blocks
+                      as Neumann products for bf16, by substitution for float32), W, U0
+                      (+ P for KDA)
+            K2 state  grid (NS, H, V/BV): sequential over chunks; lean (default): only
+                      U = U0 - W S (stored, "v_new"), the state update and h per chunk, two
+                      dots per chunk on the sequential path; fused (fuse_output=True): also
+                      the output O, five dots per chunk
+            K2o out   grid (V/BVo, NT, B, H), lean only: O = (Gam q) h + P U, all in parallel
   backward  K3 state  grid (NS, H, V/BV): reverse pass for dS per chunk and dU
             K4 intra  grid (NT, B, H): dq, dk, dv, dbeta, dg (KDA: + K4b sub-block kernel)
 Plain XLA glue: padding T to a multiple of C and the packed-varlen layout (each sequence starts
@@ -46,6 +52,7 @@ _FN = "chunk_delta_family_gpu"
 GPU_HEAD_DIMS = (64, 128, 256)
 INTERPRET_HEAD_DIMS = (16, 32, 64, 128, 256)
 CHUNK_SIZES = (16, 32, 64)
+_HAS_BARRIER = hasattr(plgpu, "debug_barrier")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +67,30 @@ class GpuBlockSizes:
     state_dtype:   storage of the per-chunk states h and dh kept for the backward: "input"
                    (bf16 for bf16 inputs, as fla stores h; float32 inputs stay exact) or
                    "float32" (twice the traffic; measured 10% slower GDN fwd+bwd on an H200).
+    fuse_output:   True: the sequential state pass also computes the output (five dots per
+                   chunk on the sequential path, B*H*V/block_v programs). False (default, as
+                   fla splits it): the state pass only stores h and U = v_new and updates the
+                   state (two dots per chunk), and a parallel kernel over chunks computes O.
+                   The lean pass writes h in every forward (also without gradients); the
+                   backward reads v_new instead of recomputing U0 - W h.
+    block_v_out:   V block of that output kernel (None: min(V, 128)).
+    num_warps_out: warps of the output kernel (None: 4, 8 for head dims of 256).
+    wide_intra:    K1 forms A = K K^T (no gate, scalar gate) and W = T X, U0 = T Y as
+                   whole-chunk [C, C] dots, round-tripping 16x16 blocks of A and T through the
+                   T output buffer with barriers (default for float32 inputs, no gate or the
+                   scalar gate, K <= 128: more accurate there); False (the other defaults):
+                   16-row sub-block dots.
+    merge_dots:    bf16 dots per 16x16 product in the merges of K1's blocked inverse for bf16
+                   inputs: 3 (default; hi/lo split, ~2^-16 relative) or 6 (float32-exact).
+                   float32 inputs always use 6.
+    bwd_state_first: intra-chunk backward in the order state side, then W / U0 side (default
+                   True: fewer live [C, K] / [C, C] float32 tiles, see
+                   gpu_kernels.intra_bwd_state_first_kernel); False: the previous order.
+    diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
+                   Neumann series as three squarings and three products on tensor cores) or
+                   "substitution" (forward substitution, a serial chain of 15 row steps, which
+                   measured half of K1's time for GDN on an H200). float32 inputs always use
+                   the substitution.
     """
     block_v: int | None = None
     block_v_bwd: int | None = None
@@ -71,6 +102,13 @@ class GpuBlockSizes:
     num_stages_bwd: int = 1
     inter_dtype: str = "input"
     state_dtype: str = "input"
+    fuse_output: bool | None = None
+    block_v_out: int | None = None
+    num_warps_out: int | None = None
+    wide_intra: bool | None = None
+    merge_dots: int | None = None
+    bwd_state_first: bool | None = None
+    diag_inverse: str | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -96,10 +134,27 @@ class GpuBlockSizes:
             self, block_v=bv, block_v_bwd=bvb,
             num_warps_intra=self.num_warps_intra or (8 if big or gate == "channel" else 4),
             num_warps_state=self.num_warps_state or (8 if K >= 256 else 4),
-            # Measured on an H200 (B4 T4096 H16 D128 bf16, 2026-11-21): 4 warps beat 8 in the
-            # intra-chunk backward despite its spills (GDN fwd+bwd 5.44 -> 4.22 ms, KDA 26.2 -> 20.5).
-            num_warps_bwd=self.num_warps_bwd or 4,
-            num_stages_state=self.num_stages_state or (2 if low and K <= 128 else 1))
+            # Measured on an H200 (B4 T4096 H16 D128 bf16, state-first K4): 8 warps for the
+            # scalar gate (GDN fwd+bwd 2.89 -> 2.60 ms), 4 for none and channel (DeltaNet 1.86
+            # vs 2.04 with 8, KDA 22.6 vs 25.8).
+            num_warps_bwd=self.num_warps_bwd or (8 if gate == "scalar" else 4),
+            num_stages_state=self.num_stages_state or (2 if low and K <= 128 else 1),
+            fuse_output=False if self.fuse_output is None else self.fuse_output,
+            block_v_out=self.block_v_out or min(V, 128),
+            num_warps_out=self.num_warps_out or (8 if big else 4),
+            # The wide K1 needs the Triton barrier primitive (present in jax 0.10 and 0.11).
+            # Measured on an H200: for GDN in float32 (B2 T1000 H4 D128) the 16-row K1's output
+            # is 1.4e-5 off the float32 reference (bar 1e-5) against 8e-7 for the wide one;
+            # in bf16 both are ~4e-3 (bar 1e-2) and the 16-row one is 2-3% faster (B4 T4096
+            # H16 D128: GDN fwd+bwd 2.84 vs 2.89 ms, DeltaNet 1.80 vs 1.86); for KDA the wide
+            # W / U0 is much slower (22.6 vs 18.6 ms). So wide for float32 inputs without a
+            # gate or with the scalar gate at K <= 128 (the configurations checked on the
+            # GPU), 16-row otherwise.
+            wide_intra=((_HAS_BARRIER and not low and gate != "channel" and K <= 128)
+                        if self.wide_intra is None else self.wide_intra),
+            merge_dots=self.merge_dots or 3,
+            diag_inverse=self.diag_inverse or "products",
+            bwd_state_first=True if self.bwd_state_first is None else self.bwd_state_first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +256,20 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
                         f"{type(bs).__name__}.")
     gate = None if g is None else ("scalar" if g.ndim == 3 else "channel")
     bs = bs.resolve(K, V, programs=n_seq * H, gate=gate, low=q.dtype == jnp.bfloat16)
-    for name, b in (("block_v", bs.block_v), ("block_v_bwd", bs.block_v_bwd)):
+    for name, b in (("block_v", bs.block_v), ("block_v_bwd", bs.block_v_bwd),
+                    ("block_v_out", bs.block_v_out)):
         if not _is_int(b) or b < 16 or b & (b - 1) or V % b:
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two >= 16 "
                              f"dividing V = {V}; got {b!r}.")
+    if bs.diag_inverse not in ("products", "substitution"):
+        raise ValueError(f"{_FN}: argument `block_sizes.diag_inverse` must be 'products' or "
+                         f"'substitution'; got {bs.diag_inverse!r}.")
+    if bs.merge_dots not in (3, 6):
+        raise ValueError(f"{_FN}: argument `block_sizes.merge_dots` must be 3 or 6; got "
+                         f"{bs.merge_dots!r}.")
+    if bs.wide_intra and not _HAS_BARRIER and not interpret:
+        raise ValueError(f"{_FN}: `block_sizes.wide_intra` needs "
+                         f"jax.experimental.pallas.triton.debug_barrier (missing here).")
     for name in ("inter_dtype", "state_dtype"):
         if getattr(bs, name) not in ("float32", "input"):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be 'float32' or "
@@ -295,7 +360,7 @@ def _intra_forward(st: _Static, q, k, v, beta, g, save):
     if kc.gate == "channel":
         ins.append(("q", q, rows(K)))
     outs = [("w", _sds((B, Tp, H, K), idt), rows(K)), ("u0", _sds((B, Tp, H, V), idt), rows(V))]
-    if save:
+    if save or kc.wide:       # the wide layout also uses it as the in-kernel scratch
         outs.append(("tmat", _sds((B, Tp, H, C), F32), rows(C)))
     if kc.gate == "channel":
         outs.append(("p", _sds((B, Tp, H, C), F32), rows(C)))
@@ -305,7 +370,70 @@ def _intra_forward(st: _Static, q, k, v, beta, g, save):
 
 
 def _state_forward(st: _Static, q, k, v, g, s0, offs, r1, save):
-    """K2: the sequential state pass over chunks with the output fused in."""
+    """K2 (+ K2o): o, sT and, when save (or always in the lean form), h; lean also v_new."""
+    if st.bs.fuse_output:
+        return _state_forward_fused(st, q, k, v, g, s0, offs, r1, save)
+    r2 = _state_forward_lean(st, q, k, v, g, s0, offs, r1)
+    r2["o"] = _output(st, q, k, v, g, r1, r2)
+    return r2
+
+
+def _state_forward_lean(st: _Static, q, k, v, g, s0, offs, r1):
+    """K2, lean: h per chunk, v_new and the final state (no output)."""
+    kc, bs = st.kc, st.bs
+    B, Tp, H, K = q.shape
+    NT = Tp // kc.C
+    NS = st.n_seq
+    full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
+    ins = [("k", k, full(K)), ("w", r1["w"], full(K)), ("u0", r1["u0"], vblk)]
+    if kc.gate == "scalar":
+        ins.append(("g", g, svec))
+    elif kc.gate == "channel":
+        ins.append(("g", g, full(K)))
+    if kc.has_s0:
+        ins.append(("s0", s0, state))
+    if kc.varlen:
+        ins.append(("offs", offs, ospec))
+    outs = [("sT", _sds((NS, H, K, kc.V), F32), state),
+            ("h", _sds((B, NT, H, K, kc.V), _state_dtype(bs, q.dtype)), hs),
+            ("vn", _sds((B, Tp, H, kc.V), q.dtype), vblk)]
+    return _call(functools.partial(gk.state_fwd_lean_kernel, cfg=kc, nt_static=NT),
+                 (NS, H, kc.V // kc.block_v), ins, outs, name="delta_state_fwd_lean",
+                 num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
+                 interpret=st.interpret)
+
+
+def _output(st: _Static, q, k, v, g, r1, r2):
+    """K2o: O = (Gam q) h + P v_new for every chunk and V block in parallel."""
+    kc, bs = st.kc, st.bs
+    B, Tp, H, K = q.shape
+    V, C = kc.V, kc.C
+    NT = Tp // C
+    bvo = bs.block_v_out
+
+    def rows(d):
+        return pl.BlockSpec((None, C, None, d), lambda j, n, b, h: (b, n, h, 0))
+
+    vrows = pl.BlockSpec((None, C, None, bvo), lambda j, n, b, h: (b, n, h, j))
+    ins = [("q", q, rows(K))]
+    if kc.gate != "channel":
+        ins.append(("k", k, rows(K)))
+    if kc.gate == "scalar":
+        ins.append(("g", g, pl.BlockSpec((None, C, None), lambda j, n, b, h: (b, n, h))))
+    elif kc.gate == "channel":
+        ins += [("g", g, rows(K)), ("p", r1["p"], rows(C))]
+    ins += [("h", r2["h"], pl.BlockSpec((None, None, None, K, bvo),
+                                        lambda j, n, b, h: (b, n, h, 0, j))),
+            ("vn", r2["vn"], vrows)]
+    outs = [("o", _sds((B, Tp, H, V), v.dtype), vrows)]
+    # V blocks vary fastest: the programs of one chunk run together and share q, k in L2.
+    return _call(functools.partial(gk.output_kernel, cfg=kc), (V // bvo, NT, B, H), ins, outs,
+                 name="delta_output", num_warps=bs.num_warps_out, num_stages=1,
+                 interpret=st.interpret)["o"]
+
+
+def _state_forward_fused(st: _Static, q, k, v, g, s0, offs, r1, save):
+    """K2, fused: the sequential state pass over chunks with the output fused in."""
     kc, bs = st.kc, st.bs
     B, Tp, H, K = q.shape
     NT = Tp // kc.C
@@ -335,7 +463,8 @@ def _forward(st: _Static, q, k, v, beta, g, s0, offs, save):
     r2 = _state_forward(st, q, k, v, g, s0, offs, r1, save)
     res = None
     if save:
-        res = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"])
+        res = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"],
+                   vn=r2.get("vn"))
     return r2["o"], r2["sT"], res
 
 
@@ -375,12 +504,16 @@ def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):
     NT = Tp // C
     rows, vec = _chunk_specs(C)
     hchunk = pl.BlockSpec((None, None, None, K, V), lambda n, b, h: (b, n, h, 0, 0))
+    vn = res.get("vn")
+    kc = dataclasses.replace(kc, has_vn=vn is not None)
     ins = [("q", q, rows(K)), ("k", k, rows(K)), ("v", v, rows(V)), ("beta", beta, vec)]
     if kc.gate != "none":
         ins.append(("g", g, _gate_spec(kc, rows, vec)))
     ins += [("tmat", res["tmat"], rows(C)), ("w", res["w"], rows(K)), ("u0", res["u0"], rows(V)),
             ("h", res["h"], hchunk), ("dh", r3["dh"], hchunk), ("do", do, rows(V)),
             ("du", r3["du"], rows(V))]
+    if vn is not None:
+        ins.append(("vn", vn, rows(V)))
     outs = [("dv", _sds(v.shape, v.dtype), rows(V))]
     if kc.gate == "channel":
         outs += [("dq_p", _sds((B, Tp, H, K), F32), rows(K)),
@@ -394,7 +527,8 @@ def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):
                  ("dbeta", _sds(beta.shape, beta.dtype), vec)]
         if kc.gate == "scalar":
             outs.append(("dg", _sds(g.shape, g.dtype), vec))
-    r4 = _call(functools.partial(gk.intra_bwd_kernel, cfg=kc), (NT, B, H), ins, outs,
+    body = gk.intra_bwd_state_first_kernel if bs.bwd_state_first else gk.intra_bwd_kernel
+    r4 = _call(functools.partial(body, cfg=kc), (NT, B, H), ins, outs,
                name="delta_intra_bwd", num_warps=bs.num_warps_bwd,
                num_stages=bs.num_stages_bwd, interpret=st.interpret)
     if kc.gate == "channel":
@@ -530,7 +664,9 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       scale=float(scale), normalize=bool(normalize_qk), block_v=bs.block_v,
                       block_v_bwd=bs.block_v_bwd, has_s0=s0 is not None,
                       has_dsT=bool(output_final_state), store_h=False,
-                      varlen=cu is not None)
+                      varlen=cu is not None, merge_dots=bs.merge_dots,
+                      wide=bool(bs.wide_intra), interpret=interpret,
+                      diag_products=bs.diag_inverse == "products")
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 

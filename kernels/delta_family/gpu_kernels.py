@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -73,6 +74,11 @@ class KernelCfg:
     has_dsT: bool
     store_h: bool          # forward state pass also writes the chunk start states
     varlen: bool           # chunk ranges per sequence come from an offsets array
+    merge_dots: int = 6    # bf16 inputs: 3 (hi/lo split) or 6 (float32-exact) dots per T merge
+    wide: bool = False     # K1: A and W, U0 as whole-chunk [C, C] dots (through the T buffer)
+    has_vn: bool = False   # K4: U = v_new stored by the lean state pass (else recomputed)
+    interpret: bool = False  # interpret mode: no GPU barrier primitive
+    diag_products: bool = False  # bf16: 16x16 diagonal inverses as a product of matmuls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,9 +94,18 @@ def split3(x):
     return hi, mid, (r - mid.astype(F32)).astype(BF16)
 
 
+def split2(x):
+    """float32 x as hi + lo, two bf16 parts (16 significant bits)."""
+    x = x.astype(F32)
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
 def _dot(a, b, dims, low, exact=False):
     """dot_general with float32 accumulation.
 
+    low and exact == 3 (bf16 inputs, where 1e-2 is the bar): three bf16 dots of hi/lo splits,
+    hi*lo + lo*hi + hi*hi (~2^-16 relative; lo*lo and the third split part are dropped).
     low and not exact: bf16 operands on tensor cores, as fla does (bf16 inputs). Otherwise a
     float32-accurate product from six bf16 tensor-core dots of the split operands
     (hi*hi + hi*mid + mid*hi + hi*lo + mid*mid + lo*hi; the neglected terms are ~2^-24
@@ -104,6 +119,10 @@ def _dot(a, b, dims, low, exact=False):
 
     if low and not exact:
         return d(a.astype(BF16), b.astype(BF16))
+    if low and exact == 3:
+        a1, a2 = split2(a)
+        b1, b2 = split2(b)
+        return (d(a1, b2) + d(a2, b1)) + d(a1, b1)
     a1, a2, a3 = split3(a)
     b1, b2, b3 = split3(b)
     small = (d(a1, b3) + d(a3, b1)) + d(a2, b2)
@@ -165,6 +184,43 @@ def inv_unit_lower(m):
         return jnp.where(r == i, new[None, :], t)
 
     return lax.fori_loop(1, n, body, jnp.where(r == c, 1.0, 0.0).astype(F32))
+
+
+def inv_unit_lower_products(m):
+    """(I + m)^-1 for strictly lower-triangular m [16, 16] as tensor-core matmuls: m is
+    nilpotent (m^16 = 0), so (I + m)^-1 = sum_k (-m)^k = (I - m)(I + m^2)(I + m^4)(I + m^8),
+    three squarings and three products instead of a serial chain of 15 row steps (each a
+    cross-thread reduction). The dots are the 3-pass hi/lo splits (~2^-16 relative). Measured
+    against float64: ~2e-6 relative for L2-normalised keys, up to ~2e-4 for unnormalised
+    Gaussian keys, where the powers of m outgrow the inverse and cancel; so it serves bf16
+    inputs only (bar 1e-2), and float32 inputs keep the substitution (~1e-7)."""
+    n = m.shape[0]
+    eye = jnp.where(iota((n, n), 0) == iota((n, n), 1), 1.0, 0.0).astype(F32)
+    t = eye - m
+    x = m
+    for _ in range(3):
+        x = _dot(x, x, _NN, True, 3)
+        t = t + _dot(t, x, _NN, True, 3)
+    return t
+
+
+def inv_unit_lower_multi(ms):
+    """inv_unit_lower of several [n, n] blocks in one loop: the forward substitution is a serial
+    chain of n - 1 row steps, and the independent chains of the diagonal blocks interleave."""
+    n = ms[0].shape[0]
+    r, c = iota((n, n), 0), iota((n, n), 1)
+    cv = iota((n,), 0)
+    eye = jnp.where(r == c, 1.0, 0.0).astype(F32)
+
+    def body(i, ts):
+        out = []
+        for m, t in zip(ms, ts):
+            mi = row(m, i)
+            new = jnp.where(cv == i, 1.0, 0.0) - jnp.sum(mi[:, None] * t, axis=0)
+            out.append(jnp.where(r == i, new[None, :], t))
+        return tuple(out)
+
+    return list(lax.fori_loop(1, n, body, tuple(eye for _ in ms)))
 
 
 def rev_cumsum_vec(x):
@@ -348,60 +404,126 @@ def scalar_decay(G, inclusive):
 # K1: intra-chunk forward (parallel over chunks): T, W, U0 (and P for the channel gate)
 
 
+def barrier(cfg):
+    """All threads of the program reach this point (and see each other's stores) before any goes
+    on; used where a kernel re-reads, in other sub-blocks, what it wrote to its own output
+    block. Interpret mode runs a program sequentially (and has no lowering for it)."""
+    if not cfg.interpret:
+        plgpu.debug_barrier()
+
+
 def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
+    """K1. Two layouts (cfg.wide):
+
+    sub-blocks: A, W and U0 as 16-row sub-block dots (the tile the blocked inverse works in).
+    wide:       A = K K^T as one [C, C] dot (no gate / scalar gate; the channel gate keeps its
+                factored sub-blocks), masked, scaled by beta and stored in the T output buffer,
+                whose 16x16 blocks the inverse reads back; the inverse's blocks go back to that
+                buffer and W = T X, U0 = T Y are [C, C] x [C, K / V] dots (Hopper wgmma tiles
+                instead of 16-row mma.sync ones). Barriers order the round trips.
+    The 16x16 merges of the inverse use `merge_dots` bf16 dots per product for bf16 inputs
+    (3: hi/lo splits, ~2^-16 relative; 6: float32-exact); float32 inputs always use 6.
+    """
     C, low = cfg.C, cfg.low
     nb = C // SUB
     rr, cc = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
     strict = rr > cc
+    all_ = (slice(None), slice(None))
+    merge = 3 if cfg.merge_dots == 3 else True
+    wide_a = cfg.wide and cfg.gate != "channel"
+    bs = [load_f32(r["beta"], pl.ds(b * SUB, SUB)) for b in range(nb)]
 
-    ks, bs, vs, qs = [], [], [], []
-    for b in range(nb):
-        sl = pl.ds(b * SUB, SUB)
-        ks.append(load_qk(r["k"], (sl, slice(None)), cfg, False))
-        bs.append(load_f32(r["beta"], sl))
-        vs.append(load_f32(r["v"], (sl, slice(None))))
-        if cfg.gate == "channel":
-            qs.append(load_qk(r["q"], (sl, slice(None)), cfg, True))
-    gs, Gs = gate_blocks(r, cfg, nb) if cfg.gate != "none" else (None, None)
-    if cfg.gate == "channel":
-        fx, fy = channel_factors(gs)
-
-    # Strictly lower blocks of A (and of P for the channel gate).
-    A, P = {}, {}
-    for i in range(nb):
-        if cfg.gate == "channel":
-            ai, aq = ks[i] * fx[i], qs[i] * fx[i]
-        for j in range(i + 1):
+    P = {}
+    if wide_a:
+        k = load_qk(r["k"], all_, cfg, False)
+        a = mm_nt(k, k, low)
+        if cfg.gate == "scalar":
+            a = a * scalar_decay(jnp.cumsum(load_f32(r["g"], slice(None))), False)
+        else:
+            a = jnp.where(iota((C, C), 0) > iota((C, C), 1), a, 0.0)
+        r["tmat"][:, :] = load_f32(r["beta"], slice(None))[:, None] * a
+        barrier(cfg)
+        M = {(i, j): load_f32(r["tmat"], (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
+             for i in range(nb) for j in range(i + 1)}
+        barrier(cfg)          # every block is read before the inverse overwrites the buffer
+    else:
+        ks, vs, qs = [], [], []
+        for b in range(nb):
+            sl = pl.ds(b * SUB, SUB)
+            ks.append(load_qk(r["k"], (sl, slice(None)), cfg, False))
+            if not cfg.wide:
+                vs.append(load_f32(r["v"], (sl, slice(None))))
             if cfg.gate == "channel":
-                if j < i:
-                    bj = ks[j] * fy(i, j)
-                    A[i, j] = mm_nt(ai, bj, low)
-                    P[i, j] = mm_nt(aq, bj, low)
-                else:
-                    A[i, i], P[i, i] = pair_diag([ks[i], qs[i]], ks[i], gs[i], [True, False])
-            else:
-                a = mm_nt(ks[i], ks[j], low)
-                if cfg.gate == "scalar":
-                    d = Gs[i][:, None] - Gs[j][None, :]
-                    if i == j:
-                        d = jnp.where(strict, d, 0.0)
-                    a = a * jnp.exp(d)
-                if i == j:
-                    a = jnp.where(strict, a, 0.0)
-                A[i, j] = a
+                qs.append(load_qk(r["q"], (sl, slice(None)), cfg, True))
+        gs, Gs = gate_blocks(r, cfg, nb) if cfg.gate != "none" else (None, None)
+        if cfg.gate == "channel":
+            fx, fy = channel_factors(gs)
 
-    # Blocked inverse of the unit lower-triangular I + diag(beta) A, all float32.
-    M = {key: bs[key[0]][:, None] * a for key, a in A.items()}
-    T = {}
+        # Strictly lower blocks of A (and of P for the channel gate).
+        A = {}
+        for i in range(nb):
+            if cfg.gate == "channel":
+                ai, aq = ks[i] * fx[i], qs[i] * fx[i]
+            for j in range(i + 1):
+                if cfg.gate == "channel":
+                    if j < i:
+                        bj = ks[j] * fy(i, j)
+                        A[i, j] = mm_nt(ai, bj, low)
+                        P[i, j] = mm_nt(aq, bj, low)
+                    else:
+                        A[i, i], P[i, i] = pair_diag([ks[i], qs[i]], ks[i], gs[i],
+                                                     [True, False])
+                else:
+                    a = mm_nt(ks[i], ks[j], low)
+                    if cfg.gate == "scalar":
+                        d = Gs[i][:, None] - Gs[j][None, :]
+                        if i == j:
+                            d = jnp.where(strict, d, 0.0)
+                        a = a * jnp.exp(d)
+                    if i == j:
+                        a = jnp.where(strict, a, 0.0)
+                    A[i, j] = a
+        M = {key: bs[key[0]][:, None] * a for key, a in A.items()}
+
+    # Blocked inverse of the unit lower-triangular I + diag(beta) A, all float32: the diagonal
+    # blocks by forward substitution (one interleaved loop), then block merges.
+    diag = [M[i, i] for i in range(nb)]
+    if cfg.diag_products and low:
+        diag = [inv_unit_lower_products(d) for d in diag]
+    else:
+        diag = inv_unit_lower_multi(diag)
+    T = {(i, i): d for i, d in enumerate(diag)}
     for i in range(nb):
-        T[i, i] = inv_unit_lower(M[i, i])
         for j in range(i - 1, -1, -1):
-            acc = mm(M[i, j], T[j, j], low, exact=True)
+            acc = mm(M[i, j], T[j, j], low, exact=merge)
             for l in range(j + 1, i):
-                acc = acc + mm(M[i, l], T[l, j], low, exact=True)
-            T[i, j] = -mm(T[i, i], acc, low, exact=True)
+                acc = acc + mm(M[i, l], T[l, j], low, exact=merge)
+            T[i, j] = -mm(T[i, i], acc, low, exact=merge)
+
+    def store_blocks(name, blocks):
+        for i in range(nb):
+            for j in range(nb):
+                blk = blocks[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+                r[name][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk
+
+    if cfg.gate == "channel":
+        store_blocks("p", P)
 
     # W = T (beta Gam k), U0 = T (beta v).
+    if cfg.wide:
+        store_blocks("tmat", T)
+        barrier(cfg)
+        t = load_f32(r["tmat"], all_)
+        beta = load_f32(r["beta"], slice(None))[:, None]
+        x = beta * load_qk(r["k"], all_, cfg, False)
+        if cfg.gate == "scalar":
+            x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
+        elif cfg.gate == "channel":
+            x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
+        r["w"][:, :] = mm(t, x, low).astype(r["w"].dtype)
+        r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), low).astype(r["u0"].dtype)
+        return
+
     xs, ys = [], []
     for j in range(nb):
         x = bs[j][:, None] * ks[j]
@@ -420,14 +542,8 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
             u = u + mm(T[i, j], ys[j], low)
         r["w"][sl, :] = w.astype(r["w"].dtype)
         r["u0"][sl, :] = u.astype(r["u0"].dtype)
-        if store_t:
-            for j in range(nb):
-                blk = T[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
-                r["tmat"][sl, pl.ds(j * SUB, SUB)] = blk
-        if cfg.gate == "channel":
-            for j in range(nb):
-                blk = P[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
-                r["p"][sl, pl.ds(j * SUB, SUB)] = blk
+    if store_t:
+        store_blocks("tmat", T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,6 +596,58 @@ def state_fwd_kernel(r, cfg: KernelCfg, nt_static: int):
 
     s = lax.fori_loop(lo, hi, body, s)
     r["sT"][:, :] = s
+
+
+def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
+    """K2, lean: only the recurrence, two dots per chunk on the sequential path.
+
+    Per chunk: stores h = S (the chunk's start state), U = U0 - W S ("v_new"), then
+    S <- exp(G_C) S + (exp(G_C - G) k)^T U. The output comes from `output_kernel`, in parallel
+    over chunks.
+    """
+    C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
+    lo, hi = _chunk_range(r, cfg, nt_static)
+    s = load_f32(r["s0"], (slice(None), slice(None))) if cfg.has_s0 else jnp.zeros((K, BV), F32)
+
+    def body(n, s):
+        sl = pl.ds(n * C, C)
+        k = load_qk(r["k"], (sl, slice(None)), cfg, False)
+        r["h"][n, :, :] = s.astype(r["h"].dtype)
+        u = load_f32(r["u0"], (sl, slice(None))) - mm(r["w"][sl, :], s, low)
+        r["vn"][sl, :] = u.astype(r["vn"].dtype)
+        if cfg.gate == "none":
+            return s + mm_tn(k, u, low)
+        if cfg.gate == "scalar":
+            _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], sl), "scalar")
+        else:
+            _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], (sl, slice(None))), "channel")
+        return dec * s + mm_tn(k * kdec, u, low)
+
+    s = lax.fori_loop(lo, hi, body, s)
+    r["sT"][:, :] = s
+
+
+def output_kernel(r, cfg: KernelCfg):
+    """Output of one chunk (and V block), all chunks in parallel: O = (Gam q) h + P U, with h the
+    chunk's start state and U = v_new from the lean state pass; P = mask(q k^T) * decay (no gate,
+    scalar gate) or K1's P (channel gate)."""
+    C, low = cfg.C, cfg.low
+    all_ = (slice(None), slice(None))
+    q = load_qk(r["q"], all_, cfg, True)
+    if cfg.gate == "channel":
+        qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
+        p = load_f32(r["p"], all_)
+    else:
+        p = mm_nt(q, load_qk(r["k"], all_, cfg, False), low)
+        if cfg.gate == "scalar":
+            G = jnp.cumsum(load_f32(r["g"], slice(None)))
+            qg = q * jnp.exp(G)[:, None]
+            p = p * scalar_decay(G, True)
+        else:
+            qg = q
+            p = jnp.where(iota((C, C), 0) >= iota((C, C), 1), p, 0.0)
+    o = mm(qg, r["h"][:, :], low) + mm(p, r["vn"][:, :], low)
+    r["o"][:, :] = o.astype(r["o"].dtype)
 
 
 def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
@@ -584,7 +752,10 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         s = load_f32(r["h"], (slice(None), vs))
         dsp = load_f32(r["dh"], (slice(None), vs))
         do = r["do"][:, vs]
-        u = load_f32(r["u0"], (slice(None), vs)) - mm(w, s, low)
+        if cfg.has_vn:
+            u = load_f32(r["vn"], (slice(None), vs))         # v_new of the lean state pass
+        else:
+            u = load_f32(r["u0"], (slice(None), vs)) - mm(w, s, low)
         dq = dq + mm_nt(do, s, low)
         dp = dp + mm_nt(do, u, low)
         ukt = mm_nt(u, dsp, low)                              # U dS'^T
@@ -639,6 +810,151 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         dq = l2n_vjp(q_raw, dq)
         dk = l2n_vjp(k_raw, dk)
     r["dq"][:, :] = dq.astype(r["dq"].dtype)
+    r["dk"][:, :] = dk.astype(r["dk"].dtype)
+    r["dbeta"][:] = dbeta.astype(r["dbeta"].dtype)
+
+
+def intra_bwd_state_first_kernel(r, cfg: KernelCfg):
+    """The gradients of `intra_bwd_kernel` (same outputs, same math), reordered for registers.
+
+    The state / output side runs first, in two loops over V blocks that each carry two
+    accumulators: B1 dO S^T and dO U^T (U = v_new where stored; + rowsum(S . dS')), after
+    which dq is finished and stored (no gate / scalar gate) and dP^T q kept; B2 U dS'^T. The
+    W / U0 side (pass A) follows, carrying dk only, and accumulates dx = -T^T dU S^T directly
+    (dx -= dY S^T per V block, one [C, C] x [C, K] dot less). The [C, C] decays are recomputed
+    from g where needed instead of being kept, q, k and T are reloaded where used again.
+    """
+    C, K, V, BVB, low = cfg.C, cfg.K, cfg.V, cfg.block_v_bwd, cfg.low
+    rr, cc = iota((C, C), 0), iota((C, C), 1)
+    all_ = (slice(None), slice(None))
+    nvb = V // BVB
+    gated = cfg.gate != "none"
+
+    def vloop(f, init):
+        """Loop over V blocks: a device loop (one body, fewer live registers than unrolled)."""
+        return lax.fori_loop(0, nvb, f, init)
+
+    def u_block(vs, w):
+        if cfg.has_vn:
+            return load_f32(r["vn"], (slice(None), vs))
+        return load_f32(r["u0"], (slice(None), vs)) - mm(w, load_f32(r["h"], (slice(None), vs)),
+                                                         low)
+
+    # B1: dO S^T, dO U^T, rowsum(S * dS').
+    w = None if cfg.has_vn else r["w"][:, :]
+    def b1(jv, carry):
+        dq, dp = carry
+        vs = pl.ds(jv * BVB, BVB)
+        do = r["do"][:, vs]
+        dq = dq + mm_nt(do, load_f32(r["h"], (slice(None), vs)), low)
+        dp = dp + mm_nt(do, u_block(vs, w), low)
+        return dq, dp
+
+    dq, dp = vloop(b1, (jnp.zeros((C, K), F32), jnp.zeros((C, C), F32)))
+    dp = jnp.where(rr >= cc, dp, 0.0)
+
+    # q and k are loaded again at each use rather than kept (registers).
+    def qs_():
+        q_raw = load_f32(r["q"], all_)
+        return (l2n(q_raw) if cfg.normalize else q_raw) * cfg.scale
+
+    def k_():
+        return load_qk(r["k"], all_, cfg, False)
+
+    if cfg.gate == "scalar":
+        g = load_f32(r["g"], slice(None))
+        _, _, gam, _, dec = chunk_gates(g, "scalar")
+        seg = seg_matrix(g)
+        kdec = jnp.exp(row(seg, C - 1))                       # exp(sum_{l > i} g_l)
+        d_i = jnp.where(rr >= cc, jnp.exp(seg), 0.0)
+        e2 = dp * (mm_nt(qs_(), k_(), low) * jnp.where(rr > cc, d_i, 0.0))
+        dp = dp * d_i
+        dq = dq * gam                                         # dq1
+        # Pairwise terms +c / -c, then one reverse cumsum at the end.
+        dG = jnp.sum(e2, axis=1) - jnp.sum(e2, axis=0) + jnp.sum(qs_() * dq, axis=1)
+    elif cfg.gate == "channel":
+        g = load_f32(r["g"], all_)
+        _, GC, gam, _, _ = chunk_gates(g, "channel")
+        dq = dq * gam                                         # dq1
+        dgp = rev_cumsum_rows(qs_() * dq)                     # term 1 of dg
+        r["dq_p"][:, :] = dq
+        r["dp"][:, :] = dp
+    if cfg.gate != "channel":
+        dq = (dq + mm(dp, k_(), low)) * cfg.scale
+        if cfg.normalize:
+            dq = l2n_vjp(load_f32(r["q"], all_), dq)
+        r["dq"][:, :] = dq.astype(r["dq"].dtype)
+        dk = mm_tn(dp, qs_(), low)
+
+    # B2: U dS'^T (-> dk3).
+    def b2(jv, carry):
+        dkt, t4 = carry
+        vs = pl.ds(jv * BVB, BVB)
+        dsp = load_f32(r["dh"], (slice(None), vs))
+        dkt = dkt + mm_nt(u_block(vs, w), dsp, low)
+        if gated:
+            t4 = t4 + jnp.sum(load_f32(r["h"], (slice(None), vs)) * dsp, axis=1)
+        return dkt, t4
+
+    dkt, t4 = vloop(b2, (jnp.zeros((C, K), F32), jnp.zeros((K,), F32)))
+    k = k_()
+    if cfg.gate == "scalar":
+        dkt = dkt * kdec[:, None]                             # dk3
+        t3 = jnp.sum(k * dkt, axis=1)
+        # Term 3 (segment (i, C]) as a direct exclusive prefix sum; term 4 everywhere.
+        dgx = jnp.sum(jnp.where(cc < rr, t3[None, :], 0.0), axis=1) + dec * jnp.sum(t4)
+    elif cfg.gate == "channel":
+        dkt = dkt * jnp.exp(suffix_rows(g))                   # dk3
+        dgp = dgp + exact_masked_sum(cc < rr, k * dkt) + (jnp.exp(GC) * t4)[None, :]
+    dk = dkt if cfg.gate == "channel" else dk + dkt
+
+    # Pass A.
+    beta = load_f32(r["beta"], slice(None))
+    def pa(jv, carry):
+        dx, dmy, dbeta = carry
+        vs = pl.ds(jv * BVB, BVB)
+        du = load_f32(r["du"], (slice(None), vs))
+        dy = mm_tn(load_f32(r["tmat"], all_), du, low)         # T^T dU
+        r["dv"][:, vs] = (beta[:, None] * dy).astype(r["dv"].dtype)
+        dbeta = dbeta + jnp.sum(dy * load_f32(r["v"], (slice(None), vs)), axis=1)
+        dmy = dmy + mm_nt(dy, load_f32(r["u0"], (slice(None), vs)), low)
+        dx = dx - mm_nt(dy, load_f32(r["h"], (slice(None), vs)), low)
+        return dx, dmy, dbeta
+
+    # dx = T^T dW = -T^T dU S^T, dmy = dY U0^T
+    dx, dmy, dbeta = vloop(pa, (jnp.zeros((C, K), F32), jnp.zeros((C, C), F32),
+                                jnp.zeros((C,), F32)))
+    dm = jnp.where(rr > cc, -(mm_nt(dx, r["w"][:, :], low) + dmy), 0.0)
+    k = k_()
+    xg = k if cfg.gate == "none" else k * gam
+    dbeta = dbeta + jnp.sum(dx * xg, axis=1)
+    dk5 = beta[:, None] * (dx if cfg.gate == "none" else dx * gam)
+    if cfg.gate == "channel":
+        r["dm"][:, :] = dm
+        r["dk_p"][:, :] = dk + dk5
+        r["dg_p"][:, :] = dgp + rev_cumsum_rows(k * dk5)      # + term 5
+        r["db_p"][:] = dbeta
+        return
+    if cfg.gate == "scalar":
+        dG = dG + jnp.sum(k * dk5, axis=1)
+    dk = dk + dk5
+    a = mm_nt(k, k, low)
+    if cfg.gate == "scalar":
+        d_s = jnp.where(rr > cc, jnp.exp(seg_matrix(g)), 0.0)
+        a = a * d_s
+    else:
+        a = jnp.where(rr > cc, a, 0.0)
+    dbeta = dbeta + jnp.sum(dm * a, axis=1)
+    da = beta[:, None] * dm
+    if cfg.gate == "scalar":
+        e6 = da * a
+        dG = dG + jnp.sum(e6, axis=1) - jnp.sum(e6, axis=0)
+        da = da * d_s
+        r["dg"][:] = (rev_cumsum_vec(dG) + dgx).astype(r["dg"].dtype)
+    k = k_()
+    dk = dk + mm(da, k, low) + mm_tn(da, k, low)             # + dk6
+    if cfg.normalize:
+        dk = l2n_vjp(load_f32(r["k"], all_), dk)
     r["dk"][:, :] = dk.astype(r["dk"].dtype)
     r["dbeta"][:] = dbeta.astype(r["dbeta"].dtype)
 
