@@ -17,6 +17,9 @@ Parts (env PARTS, comma separated, default "check,bench,fla,tune"):
   tune   gdn fwd and fwd+bwd at the first shape for a few GpuBlockSizes (warps, V blocks,
          pipeline stages, residual storage dtypes): which defaults to keep (TUNE_OPS, TUNE_ONLY).
   stages each of our kernels timed alone at the first shape (where the time goes).
+  probe  K1 timed with its serial parts (16x16 forward substitution, block merges) stubbed out:
+         timing diagnostics only, the results are wrong on purpose.
+  fla_profile  per-kernel CUDA times of fla's fwd+bwd (torch.profiler): the anchor's stage split.
   memory_ours / memory_fla   peak device memory of one fwd+bwd; one of them per process.
 Rough durations (compiles included): check 5-8 min, bench 3-5 min per shape, tune 3-5 min; the
 command limit is 10 min, so run e.g. PARTS=check, then PARTS=bench,fla, then PARTS=tune.
@@ -67,6 +70,7 @@ def _import_kernels():
 
 gpu = _import_kernels()
 from atlas_jax.ops.delta_family import chunk_delta_family  # noqa: E402
+from atlas_jax.ops.delta_family.naive import recurrent_delta_family  # noqa: E402
 
 PARTS = os.environ.get("PARTS", "check,bench,fla,tune").split(",")
 SHAPES = [tuple(int(x) for x in s.split(","))
@@ -154,10 +158,12 @@ def check_shape(name, B, T, H, K, V, gate, dtype, cu=None, chunk=64):
                 ss.append(s0[i])
                 continue
             sl = slice(a, b)
-            o, s = chunk_delta_family(q[:, sl], k[:, sl], v[:, sl], beta[:, sl],
-                                      None if g is None else g[:, sl], scale=scale,
-                                      initial_state=s0[i:i + 1], output_final_state=True,
-                                      chunk_size=chunk)
+            # The per-token scan: jax 0.11.2's XLA fails to compile the chunk form's gradient
+            # on some of these slices on an H200 (RET_CHECK in mlir_kernel_emitter, seen for
+            # the scalar and channel gates), an XLA bug outside the kernels under test.
+            o, s = recurrent_delta_family(q[:, sl], k[:, sl], v[:, sl], beta[:, sl],
+                                          None if g is None else g[:, sl], scale=scale,
+                                          initial_state=s0[i:i + 1], output_final_state=True)
             os_.append(o)
             ss.append(s[0])
         return jnp.concatenate(os_, axis=1), jnp.stack(ss)
@@ -344,14 +350,23 @@ def bench_fla(shape):
 
 TUNE = {
     "default": {},
+    # the layout before the lean state pass: output fused into K2, exact merges, substitution
+    "legacy": dict(fuse_output=True, wide_intra=False, merge_dots=6, bwd_state_first=False,
+                   diag_inverse="substitution", num_warps_bwd=4),
+    "fused_out": dict(fuse_output=True),
+    "narrow_intra": dict(wide_intra=False),
+    "merge6": dict(merge_dots=6),
+    "subst": dict(diag_inverse="substitution"),
+    "wide": dict(wide_intra=True),
+    "bwd_old_order": dict(bwd_state_first=False),
+    "out_bv64": dict(block_v_out=64),
+    "out_w8": dict(num_warps_out=8),
     "state_w8": dict(num_warps_state=8),
     "state_bv32": dict(block_v=32),
-    "state_stages3": dict(num_stages_state=3),
-    "bwd_bv32": dict(block_v_bwd=32),
+    "bwd_w8": dict(num_warps_bwd=8),
     "bwd_w4": dict(num_warps_bwd=4),
+    "bwd_bv32": dict(block_v_bwd=32),
     "intra_w8": dict(num_warps_intra=8),
-    "h_bf16": dict(state_dtype="input"),
-    "wu_f32": dict(inter_dtype="float32"),
 }
 
 
@@ -405,13 +420,14 @@ def stages(shape):
             r1 = k1(q, k, v, beta, g)
             k2 = jax.jit(lambda q, k, v, g, r1: gpu._state_forward(st, q, k, v, g, None, None, r1, True))
             r2 = k2(q, k, v, g, r1)
-            saved = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"])
+            saved = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"],
+                         vn=r2.get("vn"))
             k3 = jax.jit(lambda q, k, g, saved, do: gpu._state_backward(st, q, k, g, None, saved, do, None))
             r3 = k3(q, k, g, saved, do)
             k4 = jax.jit(lambda q, k, v, beta, g, saved, do, r3: gpu._intra_backward(st, q, k, v, beta, g, saved,
                                                                                      do, r3))
             times = {"K1 intra fwd": time_jax(k1, q, k, v, beta, g),
-                     "K2 state fwd (+h store)": time_jax(k2, q, k, v, g, r1),
+                     "K2 state fwd (+output)": time_jax(k2, q, k, v, g, r1),
                      "K3 state bwd": time_jax(k3, q, k, g, saved, do),
                      "K4 intra bwd": time_jax(k4, q, k, v, beta, g, saved, do, r3)}
             res[op] = times
@@ -420,6 +436,89 @@ def stages(shape):
             res[op] = f"error: {type(e).__name__}: {str(e)[:300]}"
             log(f"[stages] {key} {op} ERROR {type(e).__name__}: {str(e)[:1500]}")
             traceback.print_exc()
+        save()
+
+
+def probe(shape):
+    """Diagnostics of K1 (gdn, kda): the kernel as is, then with the 16x16 forward substitution
+    replaced by the identity and with the block merges dropped (wrong results, timing only), to
+    see what the serial parts of the blocked inverse cost."""
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    res = RESULTS.setdefault("probe", {}).setdefault(key, {})
+    gk = sys.modules[gpu.__name__.rsplit(".", 1)[0] + ".gpu_kernels"]
+    real_inv, real_mm = gk.inv_unit_lower_multi, gk.mm
+    eye = lambda ms: [jnp.eye(m.shape[0], dtype=jnp.float32) + 0 * m for m in ms]   # noqa: E731
+
+    def cheap_mm(a, b, low, exact=False):
+        return real_mm(a, b, low, False if exact in (True, 3) else exact)
+
+    for op in [o for o in OPS if o != "deltanet"]:
+        q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
+        for name, inv, mm in (("K1", real_inv, real_mm), ("K1 no-fwd-subst", eye, real_mm),
+                              ("K1 bf16-merges", real_inv, cheap_mm),
+                              ("K1 neither", eye, cheap_mm)):
+            gk.inv_unit_lower_multi, gk.mm = inv, mm
+            try:
+                q_, k_, v_, beta_, g_, s0, cu, st = gpu._prepare(
+                    q, k, v, beta, g, 1.0 / math.sqrt(D), None, False, 64, None, False,
+                    INTERPRET, None)
+                k1 = jax.jit(lambda q, k, v, beta, g, st=st: gpu._intra_forward(
+                    st, q, k, v, beta, g, True))
+                res[f"{op}/{name}"] = ms = time_jax(k1, q_, k_, v_, beta_, g_)
+                log(f"[probe] {key} {op} {name:18s} {ms:8.3f} ms")
+            except Exception as e:  # noqa: BLE001
+                log(f"[probe] {key} {op} {name} ERROR {type(e).__name__}: {str(e)[:800]}")
+            finally:
+                gk.inv_unit_lower_multi, gk.mm = real_inv, real_mm
+        save()
+
+
+def fla_profile(shape):
+    """Per-kernel CUDA times of fla's fwd+bwd (torch.profiler), the anchor's stage split."""
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    res = RESULTS.setdefault("fla_profile", {}).setdefault(key, {})
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        import fla.ops.common.chunk_o as _co
+        _co.TRITON_ABOVE_3_7_1 = True
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # noqa: BLE001
+        log(f"[fla_profile] not available: {e!r}")
+        return
+    bf, dev = torch.bfloat16, "cuda"
+    mk = lambda *s: torch.randn(*s, device=dev, dtype=bf)   # noqa: E731
+    q = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
+    k = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
+    v = mk(B, T, H, D).requires_grad_()
+    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev)).requires_grad_()
+    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=dev)).requires_grad_()
+    do = mk(B, T, H, D)
+    for op, f in (("gdn", lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0]),
+                  ("kda", lambda: chunk_kda(q, k, v, gk, beta)[0])):
+        if op not in OPS:
+            continue
+        for _ in range(5):
+            f().backward(do)
+        torch.cuda.synchronize()
+        n = 10
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                f().backward(do)
+            torch.cuda.synchronize()
+        times = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t:
+                times[ev.key[:60]] = t / n / 1e3
+        res[op] = times
+        log(f"[fla_profile] {key} {op} fwd+bwd total {sum(times.values()):.3f} ms")
+        for name, t in sorted(times.items(), key=lambda kv: -kv[1]):
+            log(f"    {t:8.3f} ms  {name}")
         save()
 
 
@@ -499,6 +598,10 @@ def main():
         tune(SHAPES[0])
     if "stages" in PARTS and SHAPES:
         stages(SHAPES[0])
+    if "probe" in PARTS and SHAPES:
+        probe(SHAPES[0])
+    if "fla_profile" in PARTS and SHAPES:
+        fla_profile(SHAPES[0])
     for who in ("ours", "fla"):
         if f"memory_{who}" in PARTS:
             for shape in SHAPES:

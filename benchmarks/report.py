@@ -71,6 +71,13 @@ def table(results) -> str:
                   "| --- | " + " | ".join("---" for _ in names) + " |"]
         for op, stages in ops.items():
             lines.append(f"| {op} | " + " | ".join(f"{stages[n]:.3f}" for n in names) + " |")
+    for shape, ops in results.get("fla_profile_fwd_bwd_ms", {}).items():
+        lines += ["", f"fla's kernels in one forward+backward at {shape.replace('x', ',')} "
+                  "(torch.profiler, ms per call):", ""]
+        for op, kernels in ops.items():
+            top = sorted(kernels.items(), key=lambda kv: -kv[1])
+            lines.append(f"- {op} (total {sum(kernels.values()):.3f}): "
+                         + ", ".join(f"{name.split('<')[0]} {t:.3f}" for name, t in top if t >= 0.01))
     if results.get("not_measured"):
         lines += ["", "Not measured: " + "; ".join(results["not_measured"]) + "."]
     return "\n".join(lines)
