@@ -351,14 +351,14 @@ def bench_fla(shape):
 TUNE = {
     "default": {},
     # the layout before the lean state pass: output fused into K2, exact merges, substitution
-    "legacy": dict(fuse_output=True, wide_intra=False, merge_dots=6, bwd_state_first=False,
+    # (the JSON of 2026-11-21 also has it with the former K4 order, since removed)
+    "legacy": dict(fuse_output=True, wide_intra=False, merge_dots=6,
                    diag_inverse="substitution", num_warps_bwd=4),
     "fused_out": dict(fuse_output=True),
     "narrow_intra": dict(wide_intra=False),
     "merge6": dict(merge_dots=6),
     "subst": dict(diag_inverse="substitution"),
     "wide": dict(wide_intra=True),
-    "bwd_old_order": dict(bwd_state_first=False),
     "out_bv64": dict(block_v_out=64),
     "out_w8": dict(num_warps_out=8),
     "state_w8": dict(num_warps_state=8),

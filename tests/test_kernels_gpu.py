@@ -143,10 +143,10 @@ def test_bf16(gate):
 
 
 # The previous layout (output fused into the sequential state pass, float32-exact merges, the
-# diagonal inverses by substitution, the old K4 order) and the wide K1 stay selectable; the
+# diagonal inverses by substitution) and the wide K1 stay selectable; the
 # tests above run the defaults (lean state pass + output kernel, 16-row K1, products).
 LEGACY = GpuBlockSizes(fuse_output=True, wide_intra=False, merge_dots=6,
-                       diag_inverse="substitution", bwd_state_first=False)
+                       diag_inverse="substitution")
 WIDE = GpuBlockSizes(wide_intra=True)
 
 

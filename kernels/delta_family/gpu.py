@@ -83,9 +83,6 @@ class GpuBlockSizes:
     merge_dots:    bf16 dots per 16x16 product in the merges of K1's blocked inverse for bf16
                    inputs: 3 (default; hi/lo split, ~2^-16 relative) or 6 (float32-exact).
                    float32 inputs always use 6.
-    bwd_state_first: intra-chunk backward in the order state side, then W / U0 side (default
-                   True: fewer live [C, K] / [C, C] float32 tiles, see
-                   gpu_kernels.intra_bwd_state_first_kernel); False: the previous order.
     diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
                    Neumann series as three squarings and three products on tensor cores) or
                    "substitution" (forward substitution, a serial chain of 15 row steps, which
@@ -107,7 +104,6 @@ class GpuBlockSizes:
     num_warps_out: int | None = None
     wide_intra: bool | None = None
     merge_dots: int | None = None
-    bwd_state_first: bool | None = None
     diag_inverse: str | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
@@ -134,7 +130,7 @@ class GpuBlockSizes:
             self, block_v=bv, block_v_bwd=bvb,
             num_warps_intra=self.num_warps_intra or (8 if big or gate == "channel" else 4),
             num_warps_state=self.num_warps_state or (8 if K >= 256 else 4),
-            # Measured on an H200 (B4 T4096 H16 D128 bf16, state-first K4): 8 warps for the
+            # Measured on an H200 (B4 T4096 H16 D128 bf16, this K4): 8 warps for the
             # scalar gate (GDN fwd+bwd 2.89 -> 2.60 ms), 4 for none and channel (DeltaNet 1.86
             # vs 2.04 with 8, KDA 22.6 vs 25.8).
             num_warps_bwd=self.num_warps_bwd or (8 if gate == "scalar" else 4),
@@ -153,8 +149,7 @@ class GpuBlockSizes:
             wide_intra=((_HAS_BARRIER and not low and gate != "channel" and K <= 128)
                         if self.wide_intra is None else self.wide_intra),
             merge_dots=self.merge_dots or 3,
-            diag_inverse=self.diag_inverse or "products",
-            bwd_state_first=True if self.bwd_state_first is None else self.bwd_state_first)
+            diag_inverse=self.diag_inverse or "products")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,8 +522,7 @@ def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):
                  ("dbeta", _sds(beta.shape, beta.dtype), vec)]
         if kc.gate == "scalar":
             outs.append(("dg", _sds(g.shape, g.dtype), vec))
-    body = gk.intra_bwd_state_first_kernel if bs.bwd_state_first else gk.intra_bwd_kernel
-    r4 = _call(functools.partial(body, cfg=kc), (NT, B, H), ins, outs,
+    r4 = _call(functools.partial(gk.intra_bwd_kernel, cfg=kc), (NT, B, H), ins, outs,
                name="delta_intra_bwd", num_warps=bs.num_warps_bwd,
                num_stages=bs.num_stages_bwd, interpret=st.interpret)
     if kc.gate == "channel":

@@ -172,20 +172,6 @@ def last(x):
     return row(x, x.shape[0] - 1)
 
 
-def inv_unit_lower(m):
-    """(I + m)^-1 for strictly lower-triangular m [n, n] (float32), by forward substitution."""
-    n = m.shape[0]
-    r, c = iota((n, n), 0), iota((n, n), 1)
-    cv = iota((n,), 0)
-
-    def body(i, t):
-        mi = row(m, i)                                    # [n], zero at j >= i
-        new = jnp.where(cv == i, 1.0, 0.0) - jnp.sum(mi[:, None] * t, axis=0)
-        return jnp.where(r == i, new[None, :], t)
-
-    return lax.fori_loop(1, n, body, jnp.where(r == c, 1.0, 0.0).astype(F32))
-
-
 def inv_unit_lower_products(m):
     """(I + m)^-1 for strictly lower-triangular m [16, 16] as tensor-core matmuls: m is
     nilpotent (m^16 = 0), so (I + m)^-1 = sum_k (-m)^k = (I - m)(I + m^2)(I + m^4)(I + m^8),
@@ -205,8 +191,8 @@ def inv_unit_lower_products(m):
 
 
 def inv_unit_lower_multi(ms):
-    """inv_unit_lower of several [n, n] blocks in one loop: the forward substitution is a serial
-    chain of n - 1 row steps, and the independent chains of the diagonal blocks interleave."""
+    """(I + m)^-1 for each strictly lower-triangular m [n, n] (float32) by forward substitution,
+    all in one loop: each is a serial chain of n - 1 row steps, and the chains interleave."""
     n = ms[0].shape[0]
     r, c = iota((n, n), 0), iota((n, n), 1)
     cv = iota((n,), 0)
@@ -677,152 +663,15 @@ def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
 def intra_bwd_kernel(r, cfg: KernelCfg):
     """All gradients of one chunk (scalar gate / no gate); for the channel gate, the dense part.
 
-    Two passes over V blocks keep few [C, K] accumulators live (register pressure on GPU):
-      A: the W / U0 side: dW = -dU S^T, dY = T^T dU (-> dv, dbeta), dM (-> dbeta, dk5, dk6);
-      B: the state / output side: dO S^T (-> dq), dP = dO U^T, U dS'^T (-> dk3), S . dS'.
-    Channel gate: writes dv, and the partial dq, dk, dg (already reverse-summed), dbeta plus
-    dP and dM for `intra_bwd_channel_kernel`, which adds the pairwise sub-block terms.
-    """
-    C, K, V, BVB, low = cfg.C, cfg.K, cfg.V, cfg.block_v_bwd, cfg.low
-    rr, cc = iota((C, C), 0), iota((C, C), 1)
-    all_ = (slice(None), slice(None))
-    k_raw = load_f32(r["k"], all_)
-    k = l2n(k_raw) if cfg.normalize else k_raw
-    beta = load_f32(r["beta"], slice(None))
-    tm = load_f32(r["tmat"], all_)
-    w = r["w"][:, :]
-    # Pairwise and suffix decays from exact segment sums (the gate gradient depends on them).
-    if cfg.gate == "scalar":
-        g = load_f32(r["g"], slice(None))
-        G, GC, gam, _, dec = chunk_gates(g, "scalar")
-        seg = seg_matrix(g)
-        kdec = jnp.exp(row(seg, C - 1))[:, None]             # exp(sum_{l > i} g_l)
-    elif cfg.gate == "channel":
-        g = load_f32(r["g"], all_)
-        G, GC, gam, _, dec = chunk_gates(g, "channel")
-        kdec = jnp.exp(suffix_rows(g))
-    nvb = V // BVB
-
-    # Pass A.
-    dwn = jnp.zeros((C, K), F32)      # dU S^T  (= -dW)
-    dmy = jnp.zeros((C, C), F32)      # dY U0^T
-    dbeta = jnp.zeros((C,), F32)
-    for jv in range(nvb):
-        vs = pl.ds(jv * BVB, BVB)
-        s = load_f32(r["h"], (slice(None), vs))
-        du = load_f32(r["du"], (slice(None), vs))
-        u0 = load_f32(r["u0"], (slice(None), vs))
-        dwn = dwn + mm_nt(du, s, low)
-        dy = mm_tn(tm, du, low)                               # T^T dU
-        r["dv"][:, vs] = (beta[:, None] * dy).astype(r["dv"].dtype)
-        dbeta = dbeta + jnp.sum(dy * load_f32(r["v"], (slice(None), vs)), axis=1)
-        dmy = dmy + mm_nt(dy, u0, low)
-    dx = -mm_tn(tm, dwn, low)                                 # T^T dW
-    xg = k if cfg.gate == "none" else k * gam
-    dbeta = dbeta + jnp.sum(dx * xg, axis=1)
-    dk = beta[:, None] * (dx if cfg.gate == "none" else dx * gam)          # dk5
-    dm = jnp.where(rr > cc, -(mm_nt(dx, w, low) + dmy), 0.0)
-    if cfg.gate == "channel":
-        dg_dense = k * dk                                     # term 5 (reverse-summed below)
-        r["dm"][:, :] = dm
-    else:
-        a = mm_nt(k, k, low)
-        if cfg.gate == "scalar":
-            d_i = jnp.where(rr >= cc, jnp.exp(seg), 0.0)
-            d_s = jnp.where(rr > cc, d_i, 0.0)
-            a = a * d_s
-        else:
-            a = jnp.where(rr > cc, a, 0.0)
-        dbeta = dbeta + jnp.sum(dm * a, axis=1)
-        da = beta[:, None] * dm
-        if cfg.gate == "scalar":
-            e6 = da * a
-            dG = jnp.sum(e6, axis=1) - jnp.sum(e6, axis=0) + jnp.sum(k * dk, axis=1)
-            da = da * d_s
-        dk = dk + mm(da, k, low) + mm_tn(da, k, low)          # + dk6
-
-    # Pass B.
-    dq = jnp.zeros((C, K), F32)       # dO S^T (times Gam after the loop)
-    dp = jnp.zeros((C, C), F32)       # dO U^T
-    dkt = jnp.zeros((C, K), F32) if cfg.gate == "channel" else None
-    t3 = jnp.zeros((C,), F32)         # scalar gate: sum_c k * dk3
-    t4 = jnp.zeros((K,), F32)         # rowsum(S * dS')
-    for jv in range(nvb):
-        vs = pl.ds(jv * BVB, BVB)
-        s = load_f32(r["h"], (slice(None), vs))
-        dsp = load_f32(r["dh"], (slice(None), vs))
-        do = r["do"][:, vs]
-        if cfg.has_vn:
-            u = load_f32(r["vn"], (slice(None), vs))         # v_new of the lean state pass
-        else:
-            u = load_f32(r["u0"], (slice(None), vs)) - mm(w, s, low)
-        dq = dq + mm_nt(do, s, low)
-        dp = dp + mm_nt(do, u, low)
-        ukt = mm_nt(u, dsp, low)                              # U dS'^T
-        if cfg.gate == "channel":
-            dkt = dkt + ukt
-        elif cfg.gate == "scalar":
-            ukt = ukt * kdec
-            t3 = t3 + jnp.sum(k * ukt, axis=1)
-            dk = dk + ukt
-        else:
-            dk = dk + ukt
-        if cfg.gate != "none":
-            t4 = t4 + jnp.sum(s * dsp, axis=1)
-    if cfg.gate != "none":
-        dq = dq * gam                                         # dq1
-    dp = jnp.where(rr >= cc, dp, 0.0)
-    q_raw = load_f32(r["q"], all_)
-    qs = (l2n(q_raw) if cfg.normalize else q_raw) * cfg.scale
-
-    if cfg.gate == "channel":
-        # Terms 1 (Gam q) and 5 (beta Gam k) are prefix segments (0, t]: reverse cumsum. Term 3
-        # (exp(G_C - G_i) k_i, segment (i, C]) reaches dg_s for s > i only: an exclusive prefix
-        # sum, formed directly (no +/- pair that cancels, also when padding rows with g = 0 end
-        # the chunk). Term 4 (exp(G_C) S, segment (0, C]) reaches every s. The pairwise terms
-        # follow in the channel kernel.
-        dk3 = dkt * kdec
-        up = iota((C, C), 1) < iota((C, C), 0)
-        dgp = (rev_cumsum_rows(qs * dq + dg_dense) + exact_masked_sum(up, k * dk3)
-               + (jnp.exp(GC) * t4)[None, :])
-        r["dq_p"][:, :] = dq
-        r["dk_p"][:, :] = dk + dk3
-        r["dg_p"][:, :] = dgp
-        r["db_p"][:] = dbeta
-        r["dp"][:, :] = dp
-        return
-
-    if cfg.gate == "scalar":
-        # Pairwise terms: +c at the later end, -c at the earlier end, then a reverse cumsum
-        # (both ends of a pair after s cancel, leaving the pairs that cross s). Terms 1 and 5:
-        # reverse cumsum. Term 3 (segment (i, C]): exclusive prefix sum, formed directly.
-        # Term 4 (segment (0, C]): every position.
-        pm = mm_nt(qs, k, low) * d_s
-        e2 = dp * pm
-        dG = dG + jnp.sum(e2, axis=1) - jnp.sum(e2, axis=0) + jnp.sum(qs * dq, axis=1)
-        pre3 = jnp.sum(jnp.where(cc < rr, t3[None, :], 0.0), axis=1)      # sum_{i < s} t3_i
-        dg = rev_cumsum_vec(dG) + pre3 + dec * jnp.sum(t4)
-        r["dg"][:] = dg.astype(r["dg"].dtype)
-        dp = dp * d_i
-    dq = (dq + mm(dp, k, low)) * cfg.scale
-    dk = dk + mm_tn(dp, qs, low)
-    if cfg.normalize:
-        dq = l2n_vjp(q_raw, dq)
-        dk = l2n_vjp(k_raw, dk)
-    r["dq"][:, :] = dq.astype(r["dq"].dtype)
-    r["dk"][:, :] = dk.astype(r["dk"].dtype)
-    r["dbeta"][:] = dbeta.astype(r["dbeta"].dtype)
-
-
-def intra_bwd_state_first_kernel(r, cfg: KernelCfg):
-    """The gradients of `intra_bwd_kernel` (same outputs, same math), reordered for registers.
-
     The state / output side runs first, in two loops over V blocks that each carry two
-    accumulators: B1 dO S^T and dO U^T (U = v_new where stored; + rowsum(S . dS')), after
-    which dq is finished and stored (no gate / scalar gate) and dP^T q kept; B2 U dS'^T. The
-    W / U0 side (pass A) follows, carrying dk only, and accumulates dx = -T^T dU S^T directly
-    (dx -= dY S^T per V block, one [C, C] x [C, K] dot less). The [C, C] decays are recomputed
-    from g where needed instead of being kept, q, k and T are reloaded where used again.
+    accumulators (register pressure on GPU): B1 dO S^T (-> dq) and dP = dO U^T (U = v_new
+    where stored), after which dq is finished and stored (no gate / scalar gate) and dP^T q
+    kept; B2 U dS'^T (-> dk3) and rowsum(S . dS'). The W / U0 side (pass A) follows, carrying
+    dk only: dY = T^T dU (-> dv, dbeta), dx = T^T dW = -dY S^T accumulated per V block, dM
+    (-> dbeta, dk5, dk6). The [C, C] decays are recomputed from g where needed instead of
+    being kept; q, k and T are reloaded where used again. Channel gate: writes dv and the
+    partial dq, dk, dg (already reverse-summed), dbeta plus dP and dM for
+    `intra_bwd_channel_kernel`, which adds the pairwise sub-block terms.
     """
     C, K, V, BVB, low = cfg.C, cfg.K, cfg.V, cfg.block_v_bwd, cfg.low
     rr, cc = iota((C, C), 0), iota((C, C), 1)
