@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/atlas-jax memorize $(ARGS)
 
+# --durations: CI keeps the end of the log, so the slowest tests show there.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 $(ARGS)
+	$(PY) -m pytest -q -n 2 --durations=10 $(ARGS)
 
 # Includes the slow tests; GPU tests still need a GPU (-m gpu on the device machine).
 test-all: $(STAMP)

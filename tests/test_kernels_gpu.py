@@ -150,8 +150,9 @@ LEGACY = GpuBlockSizes(fuse_output=True, wide_intra=False, merge_dots=6,
 WIDE = GpuBlockSizes(wide_intra=True)
 
 
-@pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("bs", [LEGACY, WIDE], ids=["legacy", "wide"])
+# Float32 without a gate or with a scalar gate already defaults to the wide K1 (tests above).
+@pytest.mark.parametrize("gate,bs", [(g, LEGACY) for g in GATES] + [("channel", WIDE)],
+                         ids=[f"legacy-{g}" for g in GATES] + ["wide-channel"])
 def test_f32_other_layouts(gate, bs):
     args, w = make(13, gate=gate, T_=29)
     check_all(args, w, 1e-5, block_sizes=bs, chunk_size=32)
