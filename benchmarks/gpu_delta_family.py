@@ -16,7 +16,8 @@ Parts (env PARTS, comma separated, default "check,bench,fla,tune"):
          process (as ../shared/bench/anchors_gpu.py does), if `import fla` works.
   tune   gdn fwd and fwd+bwd at the first shape for a few GpuBlockSizes (warps, V blocks,
          pipeline stages, residual storage dtypes): which defaults to keep (TUNE_OPS, TUNE_ONLY).
-  stages each of our kernels timed alone at the first shape (where the time goes).
+  stages each of our kernels timed alone at the first shape (where the time goes; STAGES_VARIANT
+         names a TUNE entry for other block sizes).
   probe  K1 timed with its serial parts (16x16 forward substitution, block merges) stubbed out:
          timing diagnostics only, the results are wrong on purpose.
   fla_profile  per-kernel CUDA times of fla's fwd+bwd (torch.profiler): the anchor's stage split.
@@ -367,6 +368,9 @@ TUNE = {
     "bwd_w4": dict(num_warps_bwd=4),
     "bwd_bv32": dict(block_v_bwd=32),
     "intra_w8": dict(num_warps_intra=8),
+    # fla's split of the reverse pass (dv_local + dhu); with V blocks of 32 in the lean pass
+    "split_bwd": dict(split_state_bwd=True),
+    "split_bwd_bv32": dict(split_state_bwd=True, block_v=32),
 }
 
 
@@ -410,12 +414,16 @@ def stages(shape):
     """Per-kernel times of our Pallas path (each stage jitted alone on precomputed inputs)."""
     B, T, H, D = shape
     key = "x".join(map(str, shape))
+    variant = os.environ.get("STAGES_VARIANT", "default")      # a name in TUNE
     res = RESULTS.setdefault("stages", {}).setdefault(key, {})
+    if variant != "default":
+        res = res.setdefault(variant, {})
     for op in OPS:
         q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
         try:
             q, k, v, beta, g, s0, cu, st = gpu._prepare(q, k, v, beta, g, 1.0 / math.sqrt(D), None, False, 64,
-                                                        None, False, INTERPRET, None)
+                                                        None, False, INTERPRET,
+                                                        gpu.GpuBlockSizes(**TUNE[variant]))
             k1 = jax.jit(lambda q, k, v, beta, g: gpu._intra_forward(st, q, k, v, beta, g, True))
             r1 = k1(q, k, v, beta, g)
             k2 = jax.jit(lambda q, k, v, g, r1: gpu._state_forward(st, q, k, v, g, None, None, r1, True))

@@ -168,6 +168,13 @@ def test_bf16_layouts(gate, bs):
     check_all(args, w, 1e-2, block_sizes=bs, chunk_size=64)
 
 
+@pytest.mark.parametrize("gate", GATES)
+def test_split_state_backward(gate):
+    """fla-style backward split: dU_local = P^T dO in a parallel kernel, a lean reverse pass."""
+    args, w = make(15, gate=gate, T_=45)
+    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_state_bwd=True))
+
+
 @pytest.mark.parametrize("case", ["random", "unit_keys_beta1", "all_equal_keys"])
 def test_diagonal_inverse_products(case):
     """The bf16 path's 16x16 inverse (Neumann products) against float64 numpy. With L2-normalised
@@ -207,16 +214,18 @@ def test_bf16_float32_storage_and_extreme_gates():
 # Packed variable-length sequences: no state crosses a boundary
 
 
-@pytest.mark.parametrize("gate", [pytest.param("none", marks=pytest.mark.slow), "scalar",
-                                  "channel"])
-def test_varlen_matches_separate_sequences(gate):
+@pytest.mark.parametrize("gate,bs", [pytest.param("none", None, marks=pytest.mark.slow),
+                                     ("scalar", None), ("channel", None),
+                                     ("scalar", GpuBlockSizes(split_state_bwd=True))],
+                         ids=["none", "scalar", "channel", "scalar-split_state_bwd"])
+def test_varlen_matches_separate_sequences(gate, bs):
     lens = [5, 0, 23, 16, 9]                   # an empty sequence and one exactly one chunk
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     n = len(lens)
     args, w = make(6, gate=gate, T_=int(cu[-1]), K=16, V=16, n_states=n)
 
     def packed(*a):
-        return pallas(*a, cu_seqlens=jnp.asarray(cu))
+        return pallas(*a, cu_seqlens=jnp.asarray(cu), block_sizes=bs)
 
     def separate(q, k, v, beta, g, s0):
         os, ss = [], []
@@ -370,6 +379,14 @@ def test_triton_lowering(gate, K, dtype):
 def test_triton_lowering_legacy_layout(gate):
     n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16, block_sizes=LEGACY)
     assert n == (5 if gate == "channel" else 4)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_triton_lowering_split_state_bwd(gate):
+    # K3 becomes K3a (dU_local) + the lean reverse pass: one kernel more
+    n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16,
+                        block_sizes=GpuBlockSizes(split_state_bwd=True))
+    assert n == (7 if gate == "channel" else 6)
 
 
 def test_triton_lowering_varlen_normalize():

@@ -21,7 +21,9 @@ Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks
                       dots per chunk on the sequential path; fused (fuse_output=True): also
                       the output O, five dots per chunk
             K2o out   grid (V/BVo, NT, B, H), lean only: O = (Gam q) h + P U, all in parallel
-  backward  K3 state  grid (NS, H, V/BV): reverse pass for dS per chunk and dU
+  backward  K3 state  grid (NS, H, V/BV): reverse pass for dS per chunk and dU; with
+                      split_state_bwd=True, K3a grid (V/BVo, NT, B, H) first computes
+                      dU_local = P^T dO in parallel and K3 adds the state's part in place
             K4 intra  grid (NT, B, H): dq, dk, dv, dbeta, dg (KDA: + K4b sub-block kernel)
 Plain XLA glue: padding T to a multiple of C and the packed-varlen layout (each sequence starts
 on a chunk boundary, so no state crosses a boundary; sequences are chunk ranges of the state
@@ -83,6 +85,13 @@ class GpuBlockSizes:
     merge_dots:    bf16 dots per 16x16 product in the merges of K1's blocked inverse for bf16
                    inputs: 3 (default; hi/lo split, ~2^-16 relative) or 6 (float32-exact).
                    float32 inputs always use 6.
+    split_state_bwd: True: the backward splits like fla's dv_local + dhu: a parallel kernel
+                   over chunks (K3a, V blocks of block_v_out, num_warps_out warps) computes the
+                   state-free dU_local = P^T dO, and the reverse state pass keeps three dots
+                   per chunk ((exp(G_C - G) k) dS, (Gam q)^T dO, W^T dU) with no P on its
+                   sequential path; False (default): one reverse pass that also recomputes P and
+                   P^T dO per chunk. Checked in interpret mode and in the Triton lowering only:
+                   not yet timed on a GPU, so not the default.
     diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
                    Neumann series as three squarings and three products on tensor cores) or
                    "substitution" (forward substitution, a serial chain of 15 row steps, which
@@ -105,6 +114,7 @@ class GpuBlockSizes:
     wide_intra: bool | None = None
     merge_dots: int | None = None
     diag_inverse: str | None = None
+    split_state_bwd: bool | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -149,7 +159,8 @@ class GpuBlockSizes:
             wide_intra=((_HAS_BARRIER and not low and gate != "channel" and K <= 128)
                         if self.wide_intra is None else self.wide_intra),
             merge_dots=self.merge_dots or 3,
-            diag_inverse=self.diag_inverse or "products")
+            diag_inverse=self.diag_inverse or "products",
+            split_state_bwd=bool(self.split_state_bwd))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,9 +287,12 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
 # pallas_call plumbing
 
 
-def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret):
-    """ins: [(name, array, BlockSpec)], outs: [(name, ShapeDtypeStruct, BlockSpec)]."""
+def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret, aliases=None):
+    """ins: [(name, array, BlockSpec)], outs: [(name, ShapeDtypeStruct, BlockSpec)];
+    aliases: {input name: output name} written in place."""
     names = [n for n, _, _ in ins] + [n for n, _, _ in outs]
+    in_index = {n: i for i, (n, _, _) in enumerate(ins)}
+    out_index = {n: i for i, (n, _, _) in enumerate(outs)}
 
     def kernel(*refs):
         body(dict(zip(names, refs)))
@@ -292,6 +306,7 @@ def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret):
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
+        input_output_aliases={in_index[a]: out_index[b] for a, b in (aliases or {}).items()},
     )(*[a for _, a, _ in ins])
     return dict(zip([n for n, _, _ in outs], res))
 
@@ -463,8 +478,36 @@ def _forward(st: _Static, q, k, v, beta, g, s0, offs, save):
     return r2["o"], r2["sT"], res
 
 
+def _du_local(st: _Static, q, k, g, res, do):
+    """K3a: dU_local = P^T dO for every chunk and V block in parallel (float32)."""
+    kc, bs = st.kc, st.bs
+    B, Tp, H, K = q.shape
+    V, C = kc.V, kc.C
+    NT = Tp // C
+    bvo = bs.block_v_out
+
+    def rows(d):
+        return pl.BlockSpec((None, C, None, d), lambda j, n, b, h: (b, n, h, 0))
+
+    vrows = pl.BlockSpec((None, C, None, bvo), lambda j, n, b, h: (b, n, h, j))
+    ins = [("q", q, rows(K))]
+    if kc.gate == "channel":
+        ins.append(("p", res["p"], rows(C)))
+    else:
+        ins.append(("k", k, rows(K)))
+        if kc.gate == "scalar":
+            ins.append(("g", g, pl.BlockSpec((None, C, None), lambda j, n, b, h: (b, n, h))))
+    ins.append(("do", do, vrows))
+    outs = [("du", _sds((B, Tp, H, V), F32), vrows)]
+    return _call(functools.partial(gk.du_local_kernel, cfg=kc), (V // bvo, NT, B, H), ins, outs,
+                 name="delta_du_local", num_warps=bs.num_warps_out, num_stages=1,
+                 interpret=st.interpret)["du"]
+
+
 def _state_backward(st: _Static, q, k, g, offs, res, do, dsT):
     """K3: the reverse state pass: dS per chunk, dU and the initial state's gradient."""
+    if st.bs.split_state_bwd:
+        return _state_backward_lean(st, q, k, g, offs, res, do, dsT)
     kc, bs = st.kc, st.bs
     B, Tp, H, K = q.shape
     V = kc.V
@@ -489,6 +532,35 @@ def _state_backward(st: _Static, q, k, g, offs, res, do, dsT):
                  (NS, H, V // kc.block_v), ins, outs, name="delta_state_bwd",
                  num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
                  interpret=st.interpret)
+
+
+def _state_backward_lean(st: _Static, q, k, g, offs, res, do, dsT):
+    """K3a + lean K3: dU_local in parallel, then the reverse pass adds the state's part in place."""
+    kc, bs = st.kc, st.bs
+    B, Tp, H, K = q.shape
+    V = kc.V
+    NT = Tp // kc.C
+    NS = st.n_seq
+    du_local = _du_local(st, q, k, g, res, do)
+    full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
+    kc3 = dataclasses.replace(kc, has_dsT=dsT is not None)
+    ins = [("q", q, full(K)), ("k", k, full(K)), ("w", res["w"], full(K))]
+    if kc.gate == "scalar":
+        ins.append(("g", g, svec))
+    elif kc.gate == "channel":
+        ins.append(("g", g, full(K)))
+    ins += [("do", do, vblk), ("du_local", du_local, vblk)]
+    if dsT is not None:
+        ins.append(("dsT", dsT, state))
+    if kc.varlen:
+        ins.append(("offs", offs, ospec))
+    outs = [("dh", _sds((B, NT, H, K, V), _state_dtype(bs, q.dtype)), hs),
+            ("du", _sds((B, Tp, H, V), F32), vblk),
+            ("ds0", _sds((NS, H, K, V), F32), state)]
+    return _call(functools.partial(gk.state_bwd_lean_kernel, cfg=kc3, nt_static=NT),
+                 (NS, H, V // kc.block_v), ins, outs, name="delta_state_bwd_lean",
+                 num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
+                 interpret=st.interpret, aliases={"du_local": "du"})
 
 
 def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):

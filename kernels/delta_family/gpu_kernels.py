@@ -613,25 +613,32 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
     r["sT"][:, :] = s
 
 
-def output_kernel(r, cfg: KernelCfg):
-    """Output of one chunk (and V block), all chunks in parallel: O = (Gam q) h + P U, with h the
-    chunk's start state and U = v_new from the lean state pass; P = mask(q k^T) * decay (no gate,
-    scalar gate) or K1's P (channel gate)."""
+def _chunk_p(r, cfg, q):
+    """P of one chunk for the parallel kernels: mask(q k^T) * decay (no gate, scalar gate) or
+    K1's stored P (channel gate)."""
     C, low = cfg.C, cfg.low
     all_ = (slice(None), slice(None))
+    if cfg.gate == "channel":
+        return load_f32(r["p"], all_)
+    p = mm_nt(q, load_qk(r["k"], all_, cfg, False), low)
+    if cfg.gate == "scalar":
+        return p * scalar_decay(jnp.cumsum(load_f32(r["g"], slice(None))), True)
+    return jnp.where(iota((C, C), 0) >= iota((C, C), 1), p, 0.0)
+
+
+def output_kernel(r, cfg: KernelCfg):
+    """Output of one chunk (and V block), all chunks in parallel: O = (Gam q) h + P U, with h the
+    chunk's start state and U = v_new from the lean state pass."""
+    low = cfg.low
+    all_ = (slice(None), slice(None))
     q = load_qk(r["q"], all_, cfg, True)
+    p = _chunk_p(r, cfg, q)
     if cfg.gate == "channel":
         qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
-        p = load_f32(r["p"], all_)
+    elif cfg.gate == "scalar":
+        qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
     else:
-        p = mm_nt(q, load_qk(r["k"], all_, cfg, False), low)
-        if cfg.gate == "scalar":
-            G = jnp.cumsum(load_f32(r["g"], slice(None)))
-            qg = q * jnp.exp(G)[:, None]
-            p = p * scalar_decay(G, True)
-        else:
-            qg = q
-            p = jnp.where(iota((C, C), 0) >= iota((C, C), 1), p, 0.0)
+        qg = q
     o = mm(qg, r["h"][:, :], low) + mm(p, r["vn"][:, :], low)
     r["o"][:, :] = o.astype(r["o"].dtype)
 
@@ -651,6 +658,47 @@ def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
         r["du"][sl, :] = du
         ds = ds if dec is None else dec * ds
         return ds + mm_tn(qg, do, low) - mm_tn(w, du, low)
+
+    ds = lax.fori_loop(0, hi - lo, body, ds)
+    r["ds0"][:, :] = ds
+
+
+def du_local_kernel(r, cfg: KernelCfg):
+    """K3a: the state-free part of dU, P^T dO, of one chunk and V block, all chunks in parallel
+    (fla's dv_local). The lean reverse state pass adds (exp(G_C - G) k) dS to it."""
+    all_ = (slice(None), slice(None))
+    p = _chunk_p(r, cfg, load_qk(r["q"], all_, cfg, True))
+    r["du"][:, :] = mm_tn(p, load_f32(r["do"], all_), cfg.low)
+
+
+def state_bwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
+    """K3, lean: the reverse recurrence with three dots per chunk and no P on the sequential path.
+
+    Per chunk, last to first: stores dh = dS (the gradient of the state at the chunk's end, as
+    `state_bwd_kernel` does) and dU = dU_local + (exp(G_C - G) k) dS over K3a's dU_local (the
+    same buffer), then dS <- exp(G_C) dS + (Gam q)^T dO - W^T dU.
+    """
+    C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
+    lo, hi = _chunk_range(r, cfg, nt_static)
+    ds = load_f32(r["dsT"], (slice(None), slice(None))) if cfg.has_dsT else jnp.zeros((K, BV), F32)
+
+    def body(i, ds):
+        n = hi - 1 - i
+        sl = pl.ds(n * C, C)
+        r["dh"][n, :, :] = ds.astype(r["dh"].dtype)
+        q = load_qk(r["q"], (sl, slice(None)), cfg, True)
+        k = load_qk(r["k"], (sl, slice(None)), cfg, False)
+        dec = None
+        if cfg.gate == "scalar":
+            _, _, gam, kdec, dec = chunk_gates(load_f32(r["g"], sl), "scalar")
+            q, k = q * gam, k * kdec
+        elif cfg.gate == "channel":
+            _, _, gam, kdec, dec = chunk_gates(load_f32(r["g"], (sl, slice(None))), "channel")
+            q, k = q * gam, k * kdec
+        du = r["du_local"][sl, :] + mm(k, ds, low)
+        r["du"][sl, :] = du
+        ds = ds if dec is None else dec * ds
+        return ds + mm_tn(q, r["do"][sl, :], low) - mm_tn(r["w"][sl, :], du, low)
 
     ds = lax.fori_loop(0, hi - lo, body, ds)
     r["ds0"][:, :] = ds
