@@ -286,6 +286,18 @@ def test_head_dim_64_chunk_64(gate):
     check_all(args, w, 1e-5, chunk_size=64)
 
 
+@pytest.mark.parametrize("gate,K,V,dtype", [("none", 128, 128, jnp.float32),
+                                            ("scalar", 256, 128, jnp.float32),
+                                            ("channel", 128, 256, jnp.float32),
+                                            ("channel", 64, 256, jnp.bfloat16)])
+def test_head_dims_128_and_256(gate, K, V, dtype):
+    """The GPU head dims with their default block sizes (V blocks, warps, the layouts chosen for
+    K <= 128 or bf16), odd T, one head to stay small in interpret mode."""
+    args, w = make(16, gate=gate, K=K, V=V, T_=19, H_=1)
+    args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
+    check_all(args, w, 1e-5 if dtype == jnp.float32 else 1e-2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("chunk", [32, 64])
