@@ -1,8 +1,8 @@
 """GPU (Pallas, Triton lowering) delta-family kernels, run in Pallas interpret mode on CPU.
 
 References: the float32 token-by-token scan `recurrent_delta_family` (outputs, final states and
-every gradient through jax.grad). Tiny shapes (interpret mode is slow): odd T, K, V in {16, 32},
-chunk 16. The Triton lowering itself is checked on CPU by exporting for CUDA (no GPU needed);
+every gradient through jax.grad). Tiny shapes (interpret mode is slow): odd T, K, V mostly in
+{16, 32}, chunk 16; one test each at the GPU head dims 64, 128 and 256. The Triton lowering itself is checked on CPU by exporting for CUDA (no GPU needed);
 tests that need a real GPU are marked `gpu`.
 """
 
