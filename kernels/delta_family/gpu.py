@@ -323,6 +323,16 @@ def _chunk_specs(C):
     return rows, vec
 
 
+def _vblock_specs(C, bv):
+    """BlockSpecs of the parallel kernels over chunks and V blocks, grid (V / bv, NT, B, H):
+    rows(d) of one chunk, its per-token scalars and its [C, bv] V block."""
+    def rows(d):
+        return pl.BlockSpec((None, C, None, d), lambda j, n, b, h: (b, n, h, 0))
+    vec = pl.BlockSpec((None, C, None), lambda j, n, b, h: (b, n, h))
+    vrows = pl.BlockSpec((None, C, None, bv), lambda j, n, b, h: (b, n, h, j))
+    return rows, vec, vrows
+
+
 def _seq_specs(st, Tp, NT):
     """BlockSpecs of the sequential kernels, grid (NS, H, V / BV)."""
     kc = st.kc
@@ -420,16 +430,12 @@ def _output(st: _Static, q, k, v, g, r1, r2):
     V, C = kc.V, kc.C
     NT = Tp // C
     bvo = bs.block_v_out
-
-    def rows(d):
-        return pl.BlockSpec((None, C, None, d), lambda j, n, b, h: (b, n, h, 0))
-
-    vrows = pl.BlockSpec((None, C, None, bvo), lambda j, n, b, h: (b, n, h, j))
+    rows, vec, vrows = _vblock_specs(C, bvo)
     ins = [("q", q, rows(K))]
     if kc.gate != "channel":
         ins.append(("k", k, rows(K)))
     if kc.gate == "scalar":
-        ins.append(("g", g, pl.BlockSpec((None, C, None), lambda j, n, b, h: (b, n, h))))
+        ins.append(("g", g, vec))
     elif kc.gate == "channel":
         ins += [("g", g, rows(K)), ("p", r1["p"], rows(C))]
     ins += [("h", r2["h"], pl.BlockSpec((None, None, None, K, bvo),
@@ -485,18 +491,14 @@ def _du_local(st: _Static, q, k, g, res, do):
     V, C = kc.V, kc.C
     NT = Tp // C
     bvo = bs.block_v_out
-
-    def rows(d):
-        return pl.BlockSpec((None, C, None, d), lambda j, n, b, h: (b, n, h, 0))
-
-    vrows = pl.BlockSpec((None, C, None, bvo), lambda j, n, b, h: (b, n, h, j))
+    rows, vec, vrows = _vblock_specs(C, bvo)
     ins = [("q", q, rows(K))]
     if kc.gate == "channel":
         ins.append(("p", res["p"], rows(C)))
     else:
         ins.append(("k", k, rows(K)))
         if kc.gate == "scalar":
-            ins.append(("g", g, pl.BlockSpec((None, C, None), lambda j, n, b, h: (b, n, h))))
+            ins.append(("g", g, vec))
     ins.append(("do", do, vrows))
     outs = [("du", _sds((B, Tp, H, V), F32), vrows)]
     return _call(functools.partial(gk.du_local_kernel, cfg=kc), (V // bvo, NT, B, H), ins, outs,
@@ -505,43 +507,14 @@ def _du_local(st: _Static, q, k, g, res, do):
 
 
 def _state_backward(st: _Static, q, k, g, offs, res, do, dsT):
-    """K3: the reverse state pass: dS per chunk, dU and the initial state's gradient."""
-    if st.bs.split_state_bwd:
-        return _state_backward_lean(st, q, k, g, offs, res, do, dsT)
+    """K3: the reverse state pass: dS per chunk, dU and the initial state's gradient; with
+    split_state_bwd, K3a computes dU_local first and the lean pass adds the state's part."""
     kc, bs = st.kc, st.bs
+    split = bs.split_state_bwd
     B, Tp, H, K = q.shape
     V = kc.V
     NT = Tp // kc.C
     NS = st.n_seq
-    full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
-    kc3 = dataclasses.replace(kc, has_dsT=dsT is not None)
-    ins = [("q", q, full(K)), ("k", k, full(K)), ("w", res["w"], full(K))]
-    if kc.gate == "scalar":
-        ins.append(("g", g, svec))
-    elif kc.gate == "channel":
-        ins += [("g", g, full(K)), ("p", res["p"], full(kc.C))]
-    ins.append(("do", do, vblk))
-    if dsT is not None:
-        ins.append(("dsT", dsT, state))
-    if kc.varlen:
-        ins.append(("offs", offs, ospec))
-    outs = [("dh", _sds((B, NT, H, K, V), _state_dtype(bs, q.dtype)), hs),
-            ("du", _sds((B, Tp, H, V), F32), vblk),
-            ("ds0", _sds((NS, H, K, V), F32), state)]
-    return _call(functools.partial(gk.state_bwd_kernel, cfg=kc3, nt_static=NT),
-                 (NS, H, V // kc.block_v), ins, outs, name="delta_state_bwd",
-                 num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
-                 interpret=st.interpret)
-
-
-def _state_backward_lean(st: _Static, q, k, g, offs, res, do, dsT):
-    """K3a + lean K3: dU_local in parallel, then the reverse pass adds the state's part in place."""
-    kc, bs = st.kc, st.bs
-    B, Tp, H, K = q.shape
-    V = kc.V
-    NT = Tp // kc.C
-    NS = st.n_seq
-    du_local = _du_local(st, q, k, g, res, do)
     full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
     kc3 = dataclasses.replace(kc, has_dsT=dsT is not None)
     ins = [("q", q, full(K)), ("k", k, full(K)), ("w", res["w"], full(K))]
@@ -549,7 +522,11 @@ def _state_backward_lean(st: _Static, q, k, g, offs, res, do, dsT):
         ins.append(("g", g, svec))
     elif kc.gate == "channel":
         ins.append(("g", g, full(K)))
-    ins += [("do", do, vblk), ("du_local", du_local, vblk)]
+        if not split:
+            ins.append(("p", res["p"], full(kc.C)))
+    ins.append(("do", do, vblk))
+    if split:
+        ins.append(("du_local", _du_local(st, q, k, g, res, do), vblk))
     if dsT is not None:
         ins.append(("dsT", dsT, state))
     if kc.varlen:
@@ -557,10 +534,12 @@ def _state_backward_lean(st: _Static, q, k, g, offs, res, do, dsT):
     outs = [("dh", _sds((B, NT, H, K, V), _state_dtype(bs, q.dtype)), hs),
             ("du", _sds((B, Tp, H, V), F32), vblk),
             ("ds0", _sds((NS, H, K, V), F32), state)]
-    return _call(functools.partial(gk.state_bwd_lean_kernel, cfg=kc3, nt_static=NT),
-                 (NS, H, V // kc.block_v), ins, outs, name="delta_state_bwd_lean",
+    kernel = gk.state_bwd_lean_kernel if split else gk.state_bwd_kernel
+    return _call(functools.partial(kernel, cfg=kc3, nt_static=NT),
+                 (NS, H, V // kc.block_v), ins, outs,
+                 name="delta_state_bwd_lean" if split else "delta_state_bwd",
                  num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
-                 interpret=st.interpret, aliases={"du_local": "du"})
+                 interpret=st.interpret, aliases={"du_local": "du"} if split else None)
 
 
 def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):

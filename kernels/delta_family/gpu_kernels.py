@@ -536,24 +536,30 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
 # K2 / K3: sequential state passes (parallel over sequences, heads and V blocks)
 
 
+def _load_chunk(r, cfg, sl):
+    """q, k of one chunk (q scaled, both normalised if asked) and its gate quantities for the
+    state passes: (q, k, G, exp(G), exp(G_C - G), exp(G_C)); the last four None without a gate."""
+    q = load_qk(r["q"], (sl, slice(None)), cfg, True)
+    k = load_qk(r["k"], (sl, slice(None)), cfg, False)
+    if cfg.gate == "none":
+        return q, k, None, None, None, None
+    g = load_f32(r["g"], sl if cfg.gate == "scalar" else (sl, slice(None)))
+    G, _, gam, kdec, dec = chunk_gates(g, cfg.gate)
+    return q, k, G, gam, kdec, dec
+
+
 def _chunk_operators(r, cfg, sl):
     """Loads one chunk for the state passes: (q*Gam, k*exp(G_C-G), w, P, decay of S)."""
     C, low = cfg.C, cfg.low
-    q = load_qk(r["q"], (sl, slice(None)), cfg, True)
-    k = load_qk(r["k"], (sl, slice(None)), cfg, False)
+    q, k, G, gam, kdec, dec = _load_chunk(r, cfg, sl)
     w = r["w"][sl, :]
-    rr, cc = iota((C, C), 0), iota((C, C), 1)
     if cfg.gate == "none":
-        p = jnp.where(rr >= cc, mm_nt(q, k, low), 0.0)
+        p = jnp.where(iota((C, C), 0) >= iota((C, C), 1), mm_nt(q, k, low), 0.0)
         return q, k, w, p, None
     if cfg.gate == "scalar":
-        g = load_f32(r["g"], sl)
-        G, _, gam, kdec, dec = chunk_gates(g, "scalar")
         p = mm_nt(q, k, low) * scalar_decay(G, True)
-        return q * gam, k * kdec, w, p, dec
-    g = load_f32(r["g"], (sl, slice(None)))
-    _, _, gam, kdec, dec = chunk_gates(g, "channel")
-    p = load_f32(r["p"], (sl, slice(None)))
+    else:
+        p = load_f32(r["p"], (sl, slice(None)))
     return q * gam, k * kdec, w, p, dec
 
 
@@ -643,7 +649,11 @@ def output_kernel(r, cfg: KernelCfg):
     r["o"][:, :] = o.astype(r["o"].dtype)
 
 
-def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
+def _reverse_state_pass(r, cfg: KernelCfg, nt_static: int, operators):
+    """The reverse recurrence of both K3 forms, chunks last to first: stores dh = dS (the
+    gradient of the state at the chunk's end) and dU = dU_local + (exp(G_C - G) k) dS, then
+    dS <- exp(G_C) dS + (Gam q)^T dO - W^T dU. `operators(sl, do)` gives one chunk's
+    (Gam q, exp(G_C - G) k, W, exp(G_C) or None, dU_local = P^T dO)."""
     C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
     lo, hi = _chunk_range(r, cfg, nt_static)
     ds = load_f32(r["dsT"], (slice(None), slice(None))) if cfg.has_dsT else jnp.zeros((K, BV), F32)
@@ -652,15 +662,24 @@ def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
         n = hi - 1 - i
         sl = pl.ds(n * C, C)
         r["dh"][n, :, :] = ds.astype(r["dh"].dtype)
-        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl)
         do = r["do"][sl, :]
-        du = mm(kd, ds, low) + mm_tn(p, do, low)
+        qg, kd, w, dec, du_local = operators(sl, do)
+        du = mm(kd, ds, low) + du_local
         r["du"][sl, :] = du
         ds = ds if dec is None else dec * ds
         return ds + mm_tn(qg, do, low) - mm_tn(w, du, low)
 
     ds = lax.fori_loop(0, hi - lo, body, ds)
     r["ds0"][:, :] = ds
+
+
+def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
+    """K3: the reverse state pass, recomputing P and P^T dO of each chunk on the way."""
+    def operators(sl, do):
+        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl)
+        return qg, kd, w, dec, mm_tn(p, do, cfg.low)
+
+    _reverse_state_pass(r, cfg, nt_static, operators)
 
 
 def du_local_kernel(r, cfg: KernelCfg):
@@ -672,36 +691,15 @@ def du_local_kernel(r, cfg: KernelCfg):
 
 
 def state_bwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
-    """K3, lean: the reverse recurrence with three dots per chunk and no P on the sequential path.
-
-    Per chunk, last to first: stores dh = dS (the gradient of the state at the chunk's end, as
-    `state_bwd_kernel` does) and dU = dU_local + (exp(G_C - G) k) dS over K3a's dU_local (the
-    same buffer), then dS <- exp(G_C) dS + (Gam q)^T dO - W^T dU.
-    """
-    C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
-    lo, hi = _chunk_range(r, cfg, nt_static)
-    ds = load_f32(r["dsT"], (slice(None), slice(None))) if cfg.has_dsT else jnp.zeros((K, BV), F32)
-
-    def body(i, ds):
-        n = hi - 1 - i
-        sl = pl.ds(n * C, C)
-        r["dh"][n, :, :] = ds.astype(r["dh"].dtype)
-        q = load_qk(r["q"], (sl, slice(None)), cfg, True)
-        k = load_qk(r["k"], (sl, slice(None)), cfg, False)
-        dec = None
-        if cfg.gate == "scalar":
-            _, _, gam, kdec, dec = chunk_gates(load_f32(r["g"], sl), "scalar")
+    """K3, lean: three dots per chunk and no P on the sequential path; dU_local comes from K3a
+    and dU is written over it (the same buffer)."""
+    def operators(sl, do):
+        q, k, _, gam, kdec, dec = _load_chunk(r, cfg, sl)
+        if dec is not None:
             q, k = q * gam, k * kdec
-        elif cfg.gate == "channel":
-            _, _, gam, kdec, dec = chunk_gates(load_f32(r["g"], (sl, slice(None))), "channel")
-            q, k = q * gam, k * kdec
-        du = r["du_local"][sl, :] + mm(k, ds, low)
-        r["du"][sl, :] = du
-        ds = ds if dec is None else dec * ds
-        return ds + mm_tn(q, r["do"][sl, :], low) - mm_tn(r["w"][sl, :], du, low)
+        return q, k, r["w"][sl, :], dec, r["du_local"][sl, :]
 
-    ds = lax.fori_loop(0, hi - lo, body, ds)
-    r["ds0"][:, :] = ds
+    _reverse_state_pass(r, cfg, nt_static, operators)
 
 
 # ---------------------------------------------------------------------------------------------
