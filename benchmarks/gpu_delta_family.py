@@ -287,6 +287,21 @@ def bench_jax(shape):
         del q, k, v, beta, g, do
 
 
+def fla_inputs(B, T, H, D, device="cuda"):
+    """fla's benchmark recipe in torch: unit q, k; g = logsigmoid(randn) per head (gk per key
+    channel, for KDA); beta = sigmoid(randn); bf16 except the gates; and the output cotangent."""
+    import torch
+    bf = torch.bfloat16
+    normal = lambda *s: torch.randn(*s, device=device, dtype=bf)   # noqa: E731
+    unit = lambda: torch.nn.functional.normalize(normal(B, T, H, D).float(), dim=-1).to(bf)  # noqa: E731
+    q, k = unit().requires_grad_(), unit().requires_grad_()
+    v = normal(B, T, H, D).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=device)).requires_grad_()
+    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=device)).requires_grad_()
+    beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(bf).requires_grad_()
+    return q, k, v, g, gk, beta, normal(B, T, H, D)
+
+
 def bench_fla(shape):
     B, T, H, D = shape
     key = "x".join(map(str, shape))
@@ -306,19 +321,7 @@ def bench_fla(shape):
         log(f"[fla] not available: {type(e).__name__}: {e}")
         RESULTS["fla_error"] = repr(e)[:300]
         return
-    dev = "cuda"
-    bf = torch.bfloat16
-
-    def mk(*s):
-        return torch.randn(*s, device=dev, dtype=bf)
-
-    q = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
-    k = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
-    v = mk(B, T, H, D).requires_grad_()
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev)).requires_grad_()
-    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=dev)).requires_grad_()
-    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf).requires_grad_()
-    do = mk(B, T, H, D)
+    q, k, v, g, gk, beta, do = fla_inputs(B, T, H, D)
     cases = {"gdn": lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
              "deltanet": lambda: chunk_delta_rule(q, k, v, beta)[0]}
     if chunk_kda is not None:
@@ -497,15 +500,7 @@ def fla_profile(shape):
     except Exception as e:  # noqa: BLE001
         log(f"[fla_profile] not available: {e!r}")
         return
-    bf, dev = torch.bfloat16, "cuda"
-    mk = lambda *s: torch.randn(*s, device=dev, dtype=bf)   # noqa: E731
-    q = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
-    k = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
-    v = mk(B, T, H, D).requires_grad_()
-    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf).requires_grad_()
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev)).requires_grad_()
-    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=dev)).requires_grad_()
-    do = mk(B, T, H, D)
+    q, k, v, g, gk, beta, do = fla_inputs(B, T, H, D)
     for op, f in (("gdn", lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0]),
                   ("kda", lambda: chunk_kda(q, k, v, gk, beta)[0])):
         if op not in OPS:
@@ -550,22 +545,18 @@ def memory(shape, who):
                 from fla.ops.delta_rule import chunk_delta_rule
                 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
                 from fla.ops.kda import chunk_kda
+                q, k, v, g, gk, beta, do = fla_inputs(B, T, H, D)
+                if op == "kda":
+                    g = gk
+                del gk          # only the op's own gate counts towards the peak
                 torch.cuda.reset_peak_memory_stats()
-                bf, dev = torch.bfloat16, "cuda"
-                mk = lambda *s: torch.randn(*s, device=dev, dtype=bf)   # noqa: E731
-                q = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
-                k = torch.nn.functional.normalize(mk(B, T, H, D).float(), dim=-1).to(bf).requires_grad_()
-                v = mk(B, T, H, D).requires_grad_()
-                beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf).requires_grad_()
-                shape_g = (B, T, H, D) if op == "kda" else (B, T, H)
-                g = torch.nn.functional.logsigmoid(torch.randn(*shape_g, device=dev)).requires_grad_()
                 fn = {"gdn": lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
                       "deltanet": lambda: chunk_delta_rule(q, k, v, beta)[0],
                       "kda": lambda: chunk_kda(q, k, v, g, beta)[0]}[op]
-                fn().backward(mk(B, T, H, D))
+                fn().backward(do)
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() / 1e9
-                del q, k, v, beta, g
+                del q, k, v, beta, g, do
                 torch.cuda.empty_cache()
             res[f"{op}/{who}"] = peak
             log(f"[memory] {key} {op}/{who} fwd+bwd peak {peak:.2f} GB")
