@@ -3,8 +3,9 @@ machine really has, and compile-time optimisations off.
 
 The tests run tiny shapes, so compiling dominates their time (Pallas interpret mode unrolls every
 kernel into a large XLA program). JAX_DISABLE_MOST_OPTIMIZATIONS skips XLA's and LLVM's expensive
-passes: the suite runs in about 55% of the time (measured on 2 CPUs) and computes the same
-float32 operations. Set it to 0 to test with full optimisation.
+passes: the suite ran in 5.0 instead of 7.4-8.8 min (2 CPUs, 200 tests), with the same
+operations (rounding may differ in the last bits, far inside the tolerances) and all tests
+passing. Set it to 0 to test with full optimisation.
 
 XLA sizes its client and compiler thread pools from the CPU affinity mask
 (tsl::port::MaxParallelism), which ignores a container's CPU quota. On a 2-CPU quota over a
