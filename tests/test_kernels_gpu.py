@@ -146,13 +146,16 @@ def test_bf16(gate):
 # diagonal inverses by substitution) and the wide K1 stay selectable; the
 # tests above run the defaults (lean state pass + output kernel, 16-row K1, products).
 LEGACY = GpuBlockSizes(fuse_output=True, wide_intra=False, merge_dots=6,
-                       diag_inverse="substitution")
+                       diag_inverse="substitution", split_intra=False, split_state_bwd=False)
 WIDE = GpuBlockSizes(wide_intra=True)
+WIDE_ONE_K1 = GpuBlockSizes(wide_intra=True, split_intra=False)
 
 
-# Float32 without a gate or with a scalar gate already defaults to the wide K1 (tests above).
-@pytest.mark.parametrize("gate,bs", [(g, LEGACY) for g in GATES] + [("channel", WIDE)],
-                         ids=[f"legacy-{g}" for g in GATES] + ["wide-channel"])
+# Float32 without a gate or with a scalar gate already defaults to the wide, split K1 (tests
+# above); here the wide K1 as one kernel (barriers between its halves).
+@pytest.mark.parametrize("gate,bs", [(g, LEGACY) for g in GATES] + [("channel", WIDE),
+                                                                     ("scalar", WIDE_ONE_K1)],
+                         ids=[f"legacy-{g}" for g in GATES] + ["wide-channel", "wide-one-k1"])
 def test_f32_other_layouts(gate, bs):
     args, w = make(13, gate=gate, T_=29)
     check_all(args, w, 1e-5, block_sizes=bs, chunk_size=32)
@@ -166,6 +169,13 @@ def test_bf16_layouts(gate, bs):
     args = [None if a is None else a.astype(jnp.bfloat16) if i < 4 else a
             for i, a in enumerate(args)]
     check_all(args, w, 1e-2, block_sizes=bs, chunk_size=64)
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_split_intra_forward(gate):
+    """K1 as a solve kernel (T) and a W, U0 kernel reading T back, as fla splits it."""
+    args, w = make(16, gate=gate, T_=45)
+    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_intra=True), chunk_size=32)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -382,9 +392,10 @@ def _lower_for_cuda(gate, K, V, dtype, *, chunk=64, varlen=False, normalize=Fals
                                           ("scalar", 64, jnp.float32),
                                           ("channel", 128, jnp.bfloat16)])
 def test_triton_lowering(gate, K, dtype):
-    # K1, lean K2, output, K3, K4 (+ K4b for the channel gate)
+    # K1 (split in K1a + K1b for the scalar and no gate), lean K2, output, K3 (K3a + lean K3
+    # for the scalar gate), K4 (+ K4b for the channel gate)
     n = _lower_for_cuda(gate, K, K, dtype)
-    assert n == (6 if gate == "channel" else 5)
+    assert n == {"none": 6, "scalar": 7, "channel": 6}[gate]
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -397,13 +408,21 @@ def test_triton_lowering_legacy_layout(gate):
 def test_triton_lowering_split_state_bwd(gate):
     # K3 becomes K3a (dU_local) + the lean reverse pass: one kernel more
     n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16,
-                        block_sizes=GpuBlockSizes(split_state_bwd=True))
+                        block_sizes=GpuBlockSizes(split_state_bwd=True, split_intra=False))
+    assert n == (7 if gate == "channel" else 6)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_triton_lowering_split_intra(gate):
+    # K1 becomes K1a (solve) + K1b (W, U0): one kernel more
+    n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16,
+                        block_sizes=GpuBlockSizes(split_intra=True, split_state_bwd=False))
     assert n == (7 if gate == "channel" else 6)
 
 
 def test_triton_lowering_varlen_normalize():
     assert _lower_for_cuda("scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True,
-                           normalize=True) == 5
+                           normalize=True) == 7
 
 
 @pytest.mark.slow

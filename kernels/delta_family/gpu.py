@@ -15,7 +15,8 @@ Semantics (per token t, state S in R^{K x V}, float32), as `atlas_jax.ops.chunk_
 Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks:
   forward   K1 intra  grid (NT, B, H): blocked (I + diag(beta) A)^-1 (16x16 diagonal blocks
                       as Neumann products for bf16, by substitution for float32), W, U0
-                      (+ P for KDA)
+                      (+ P for KDA); for the scalar or no gate split in two (split_intra):
+                      K1a the inverse T on few warps, K1b W, U0 = T X, T Y
             K2 state  grid (NS, H, V/BV): sequential over chunks; lean (default): only
                       U = U0 - W S (stored, "v_new"), the state update and h per chunk, two
                       dots per chunk on the sequential path; fused (fuse_output=True): also
@@ -89,9 +90,16 @@ class GpuBlockSizes:
                    over chunks (K3a, V blocks of block_v_out, num_warps_out warps) computes the
                    state-free dU_local = P^T dO, and the reverse state pass keeps three dots
                    per chunk ((exp(G_C - G) k) dS, (Gam q)^T dO, W^T dU) with no P on its
-                   sequential path; False (default): one reverse pass that also recomputes P and
-                   P^T dO per chunk. Checked in interpret mode and in the Triton lowering only:
-                   not yet timed on a GPU, so not the default.
+                   sequential path; False: one reverse pass that also recomputes P and P^T dO
+                   per chunk. Default: split for the scalar gate (faster on an H100), one pass
+                   for no gate (equal or faster) and the channel gate (not timed split).
+    split_intra:   True (default for the scalar or no gate): K1 as two kernels, as fla splits
+                   it: K1a (num_warps_solve warps) forms A and its blocked inverse T, stored in
+                   float32; K1b (num_warps_intra warps) reads T back and forms W, U0 as
+                   whole-chunk dots. The 16x16 steps of the inverse then run on fewer warps
+                   than the [C, K] dots want. False (default for the channel gate, whose W
+                   is slower as a whole-chunk dot): one kernel.
+    num_warps_solve: warps of K1a (None: 2).
     diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
                    Neumann series as three squarings and three products on tensor cores) or
                    "substitution" (forward substitution, a serial chain of 15 row steps, which
@@ -115,17 +123,25 @@ class GpuBlockSizes:
     merge_dots: int | None = None
     diag_inverse: str | None = None
     split_state_bwd: bool | None = None
+    split_intra: bool | None = None
+    num_warps_solve: int | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
 
         Warp defaults come from ptxas register/spill reports of the kernels compiled for sm_90
-        (Triton 3.9, bf16, K = V = 128): the KDA intra-chunk forward spills 2.8 KB per thread
-        at 4 warps and 0.6 KB at 8; the intra-chunk backward needs 8 (16 halves the register
-        cap and spills more); the state passes spill < 300 B at 4 or 8 warps. Two pipeline
-        stages in the state passes double their shared memory: fine for bf16 with K <= 128
-        (<= 150 KB), over Hopper's 227 KB for K = 256 KDA (282 KB) and at the limit for float32
-        KDA (224 KB), so those use one stage.
+        (Triton 3.9, bf16, K = V = 128) and from timings: the intra-chunk backward needs 8
+        (16 halves the register cap and spills more); the state passes spill < 300 B at 4 or 8
+        warps. Pipeline stages in the state passes multiply their shared memory: three fit
+        bf16 with K <= 128 and a scalar or no gate, two bf16 KDA with K <= 128 (<= 150 KB);
+        K = 256 KDA (282 KB at two) and float32 KDA (224 KB at two) use one.
+        Timings on an H100 (B4 T4096 H16 D128 bf16, each kernel alone, 2026-11-21, in
+        benchmarks/results): three stages take the lean state pass K2 from 0.434 to 0.386 ms
+        (GDN) and 0.410 to 0.353 (DeltaNet); the split reverse pass with three stages takes
+        GDN's K3 from 0.610 to 0.535 ms (DeltaNet's unsplit K3: 0.493 at three stages against
+        0.528 split); splitting K1 (solve on 2 warps with the wide A, then W and U0) takes
+        GDN's K1 from 0.375 to 0.282 ms and DeltaNet's from 0.302 to 0.255; KDA's K1 takes
+        3.69 ms at 4 warps against 4.85 at 8 (and 4.24 split).
         """
         bv = self.block_v
         if bv is None:
@@ -136,31 +152,41 @@ class GpuBlockSizes:
                 bv //= 2
         bvb = self.block_v_bwd or min(V, 32 if K >= 256 else 64)
         big = max(K, V) >= 256
+        split_intra = gate != "channel" if self.split_intra is None else self.split_intra
+        if low and K <= 128:
+            stages = 2 if gate == "channel" else 3
+        else:
+            stages = 1
         return dataclasses.replace(
             self, block_v=bv, block_v_bwd=bvb,
-            num_warps_intra=self.num_warps_intra or (8 if big or gate == "channel" else 4),
+            num_warps_intra=self.num_warps_intra or (8 if big else 4),
             num_warps_state=self.num_warps_state or (8 if K >= 256 else 4),
             # Measured on an H200 (B4 T4096 H16 D128 bf16, this K4): 8 warps for the
             # scalar gate (GDN fwd+bwd 2.89 -> 2.60 ms), 4 for none and channel (DeltaNet 1.86
             # vs 2.04 with 8, KDA 22.6 vs 25.8).
             num_warps_bwd=self.num_warps_bwd or (8 if gate == "scalar" else 4),
-            num_stages_state=self.num_stages_state or (2 if low and K <= 128 else 1),
+            num_stages_state=self.num_stages_state or stages,
             fuse_output=False if self.fuse_output is None else self.fuse_output,
             block_v_out=self.block_v_out or min(V, 128),
             num_warps_out=self.num_warps_out or (8 if big else 4),
             # The wide K1 needs the Triton barrier primitive (present in jax 0.10 and 0.11).
             # Measured on an H200: for GDN in float32 (B2 T1000 H4 D128) the 16-row K1's output
             # is 1.4e-5 off the float32 reference (bar 1e-5) against 8e-7 for the wide one;
-            # in bf16 both are ~4e-3 (bar 1e-2) and the 16-row one is 2-3% faster (B4 T4096
-            # H16 D128: GDN fwd+bwd 2.84 vs 2.89 ms, DeltaNet 1.80 vs 1.86); for KDA the wide
-            # W / U0 is much slower (22.6 vs 18.6 ms). So wide for float32 inputs without a
-            # gate or with the scalar gate at K <= 128 (the configurations checked on the
-            # GPU), 16-row otherwise.
-            wide_intra=((_HAS_BARRIER and not low and gate != "channel" and K <= 128)
+            # in bf16 both are ~4e-3 (bar 1e-2). In one K1 the 16-row layout was 2-3% faster
+            # for bf16 (H200, GDN fwd+bwd 2.84 vs 2.89 ms); in the split K1 the wide A is
+            # faster (H100, GDN K1a+K1b 0.282 vs 0.332 ms). For KDA the wide W / U0 is much
+            # slower (22.6 vs 18.6 ms). So wide for the scalar or no gate at K <= 128 when K1
+            # is split or the inputs are float32 (the configurations checked on the GPU),
+            # 16-row otherwise.
+            wide_intra=((_HAS_BARRIER and gate != "channel" and K <= 128
+                         and (split_intra or not low))
                         if self.wide_intra is None else self.wide_intra),
             merge_dots=self.merge_dots or 3,
             diag_inverse=self.diag_inverse or "products",
-            split_state_bwd=bool(self.split_state_bwd))
+            split_state_bwd=(gate == "scalar" if self.split_state_bwd is None
+                             else self.split_state_bwd),
+            split_intra=split_intra,
+            num_warps_solve=self.num_warps_solve or 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +406,8 @@ def _intra_forward(st: _Static, q, k, v, beta, g, save):
     if kc.gate == "channel":
         ins.append(("q", q, rows(K)))
     outs = [("w", _sds((B, Tp, H, K), idt), rows(K)), ("u0", _sds((B, Tp, H, V), idt), rows(V))]
+    if bs.split_intra:
+        return _intra_forward_split(st, ins, outs, rows)
     if save or kc.wide:       # the wide layout also uses it as the in-kernel scratch
         outs.append(("tmat", _sds((B, Tp, H, C), F32), rows(C)))
     if kc.gate == "channel":
@@ -387,6 +415,25 @@ def _intra_forward(st: _Static, q, k, v, beta, g, save):
     return _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=save), (NT, B, H), ins,
                  outs, name="delta_intra_fwd", num_warps=bs.num_warps_intra,
                  num_stages=bs.num_stages_intra, interpret=st.interpret)
+
+
+def _intra_forward_split(st: _Static, ins, outs, rows):
+    """K1a (T, and P for KDA) then K1b (W, U0 from T); same inputs and outputs as K1."""
+    kc, bs = st.kc, st.bs
+    B, Tp, H, _ = outs[0][1].shape
+    C, NT = kc.C, outs[0][1].shape[1] // kc.C
+    solve_outs = [("tmat", _sds((B, Tp, H, C), F32), rows(C))]
+    if kc.gate == "channel":
+        solve_outs.append(("p", _sds((B, Tp, H, C), F32), rows(C)))
+    r = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
+              (NT, B, H), [x for x in ins if x[0] != "v"], solve_outs, name="delta_intra_solve",
+              num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret)
+    wu_ins = [x for x in ins if x[0] != "q"] + [("tmat", r["tmat"], rows(C))]
+    r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=False, part="wu"),
+                   (NT, B, H), wu_ins, outs, name="delta_intra_wu",
+                   num_warps=bs.num_warps_intra, num_stages=bs.num_stages_intra,
+                   interpret=st.interpret))
+    return r
 
 
 def _state_forward(st: _Static, q, k, v, g, s0, offs, r1, save):

@@ -398,8 +398,10 @@ def barrier(cfg):
         plgpu.debug_barrier()
 
 
-def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
-    """K1. Two layouts (cfg.wide):
+def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
+    """K1 (part "all"), or its two halves as separate kernels (part "solve": T, and P for the
+    channel gate, into the tmat / p outputs; part "wu": W, U0 from the stored T as whole-chunk
+    dots). Two layouts of the whole / solve kernel (cfg.wide):
 
     sub-blocks: A, W and U0 as 16-row sub-block dots (the tile the blocked inverse works in).
     wide:       A = K K^T as one [C, C] dot (no gate / scalar gate; the channel gate keeps its
@@ -410,6 +412,9 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
     The 16x16 merges of the inverse use `merge_dots` bf16 dots per product for bf16 inputs
     (3: hi/lo splits, ~2^-16 relative; 6: float32-exact); float32 inputs always use 6.
     """
+    if part == "wu":
+        wu_from_t(r, cfg)
+        return
     C, low = cfg.C, cfg.low
     nb = C // SUB
     rr, cc = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
@@ -437,7 +442,7 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
         for b in range(nb):
             sl = pl.ds(b * SUB, SUB)
             ks.append(load_qk(r["k"], (sl, slice(None)), cfg, False))
-            if not cfg.wide:
+            if not cfg.wide and part == "all":
                 vs.append(load_f32(r["v"], (sl, slice(None))))
             if cfg.gate == "channel":
                 qs.append(load_qk(r["q"], (sl, slice(None)), cfg, True))
@@ -496,18 +501,13 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
         store_blocks("p", P)
 
     # W = T (beta Gam k), U0 = T (beta v).
+    if part == "solve":
+        store_blocks("tmat", T)
+        return
     if cfg.wide:
         store_blocks("tmat", T)
         barrier(cfg)
-        t = load_f32(r["tmat"], all_)
-        beta = load_f32(r["beta"], slice(None))[:, None]
-        x = beta * load_qk(r["k"], all_, cfg, False)
-        if cfg.gate == "scalar":
-            x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
-        elif cfg.gate == "channel":
-            x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
-        r["w"][:, :] = mm(t, x, low).astype(r["w"].dtype)
-        r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), low).astype(r["u0"].dtype)
+        wu_from_t(r, cfg)
         return
 
     xs, ys = [], []
@@ -530,6 +530,21 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool):
         r["u0"][sl, :] = u.astype(r["u0"].dtype)
     if store_t:
         store_blocks("tmat", T)
+
+
+def wu_from_t(r, cfg: KernelCfg):
+    """W = T (beta Gam k), U0 = T (beta v) as whole-chunk [C, C] x [C, K / V] dots, T read back
+    from the tmat buffer (written by this program behind a barrier, or by the solve kernel)."""
+    all_ = (slice(None), slice(None))
+    t = load_f32(r["tmat"], all_)
+    beta = load_f32(r["beta"], slice(None))[:, None]
+    x = beta * load_qk(r["k"], all_, cfg, False)
+    if cfg.gate == "scalar":
+        x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
+    elif cfg.gate == "channel":
+        x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
+    r["w"][:, :] = mm(t, x, cfg.low).astype(r["w"].dtype)
+    r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), cfg.low).astype(r["u0"].dtype)
 
 
 # ---------------------------------------------------------------------------------------------
