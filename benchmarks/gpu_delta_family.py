@@ -80,7 +80,8 @@ OPS = os.environ.get("OPS", "gdn,deltanet,kda").split(",")
 VARIANTS = os.environ.get("VARIANTS", "pallas,xla").split(",")
 REPS = int(os.environ.get("REPS", "30"))
 INTERPRET = os.environ.get("INTERPRET") == "1"     # CPU smoke test of this script only
-RESULTS = {"device": str(jax.devices()[0]), "jax": jax.__version__, "check": {}, "bench": {}}
+RESULTS = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
+           "jax": jax.__version__, "check": {}, "bench": {}}
 
 
 def log(*a):
@@ -321,6 +322,11 @@ def bench_fla(shape):
         log(f"[fla] not available: {type(e).__name__}: {e}")
         RESULTS["fla_error"] = repr(e)[:300]
         return
+    import fla
+    import triton
+    RESULTS["versions"] = {"jax": jax.__version__, "torch": torch.__version__,
+                           "triton": triton.__version__, "fla": fla.__version__}
+    log(f"[fla] versions {RESULTS['versions']}")
     q, k, v, g, gk, beta, do = fla_inputs(B, T, H, D)
     cases = {"gdn": lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
              "deltanet": lambda: chunk_delta_rule(q, k, v, beta)[0]}
@@ -357,7 +363,11 @@ TUNE = {
     # the layout before the lean state pass: output fused into K2, exact merges, substitution
     # (the JSON of 2026-11-21 also has it with the former K4 order, since removed)
     "legacy": dict(fuse_output=True, wide_intra=False, merge_dots=6,
-                   diag_inverse="substitution", num_warps_bwd=4),
+                   diag_inverse="substitution", num_warps_bwd=4, split_intra=False,
+                   split_state_bwd=False, num_stages_state=2),
+    # the defaults before 2026-11-21 (one K1, two state-pass stages, one reverse pass)
+    "before_split": dict(split_intra=False, split_state_bwd=False, num_stages_state=2,
+                         num_warps_intra=8),
     "fused_out": dict(fuse_output=True),
     "narrow_intra": dict(wide_intra=False),
     "merge6": dict(merge_dots=6),
@@ -374,6 +384,28 @@ TUNE = {
     # fla's split of the reverse pass (dv_local + dhu); with V blocks of 32 in the lean pass
     "split_bwd": dict(split_state_bwd=True),
     "split_bwd_bv32": dict(split_state_bwd=True, block_v=32),
+    # fewer warps (fla autotunes its kkt/solve kernel over 1, 2, 4 warps, fwd_h over 2, 4)
+    "intra_w1": dict(num_warps_intra=1),
+    "intra_w2": dict(num_warps_intra=2),
+    "intra_w4": dict(num_warps_intra=4),
+    "out_w2": dict(num_warps_out=2),
+    "state_w2": dict(num_warps_state=2),
+    "state_s3": dict(num_stages_state=3),
+    "state_s1": dict(num_stages_state=1),
+    "bwd_w2": dict(num_warps_bwd=2),
+    # K1 as fla splits it: the solve (A, T) on fewer warps, then W, U0 from the stored T
+    "split_intra": dict(split_intra=True),
+    "split_intra_s1": dict(split_intra=True, num_warps_solve=1),
+    "split_intra_s4": dict(split_intra=True, num_warps_solve=4),
+    "split_intra_wu8": dict(split_intra=True, num_warps_intra=8),
+    "split_intra_wideA": dict(split_intra=True, wide_intra=True),
+    "split_intra_subst": dict(split_intra=True, diag_inverse="substitution"),
+    "split_intra_subst1": dict(split_intra=True, diag_inverse="substitution",
+                               num_warps_solve=1),
+    "split_bwd_s3": dict(split_state_bwd=True, num_stages_state=3),
+    "split_bwd_bv32_s3": dict(split_state_bwd=True, block_v=32, num_stages_state=3),
+    "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),
+    "combo_bv32": dict(split_intra=True, num_stages_state=3, split_state_bwd=True, block_v=32),
 }
 
 
@@ -413,41 +445,72 @@ def tune_op(shape, op):
             save()
 
 
+# Which kernels a TUNE entry changes: the stage timings of a variant time only those (the
+# others would repeat the default's), on the default's intermediate results.
+STAGE_NAMES = ("K1 intra fwd", "K2 state fwd (+output)", "K3 state bwd", "K4 intra bwd")
+AFFECTS = (("split_intra", (0,)), ("split_bwd", (1, 2)), ("intra", (0,)), ("out", (1,)),
+           ("state", (1, 2)), ("bwd", (3,)))
+
+
+def _affected(variant):
+    return next((ks for prefix, ks in AFFECTS if variant.startswith(prefix)), range(4))
+
+
 def stages(shape):
-    """Per-kernel times of our Pallas path (each stage jitted alone on precomputed inputs)."""
+    """Per-kernel times of our Pallas path (each stage jitted alone on precomputed inputs);
+    STAGES_VARIANT: comma-separated TUNE names, each timed on the kernels it changes."""
     B, T, H, D = shape
     key = "x".join(map(str, shape))
-    variant = os.environ.get("STAGES_VARIANT", "default")      # a name in TUNE
-    res = RESULTS.setdefault("stages", {}).setdefault(key, {})
-    if variant != "default":
-        res = res.setdefault(variant, {})
+    variants = os.environ.get("STAGES_VARIANT", "default").split(",")
+    res_all = RESULTS.setdefault("stages", {}).setdefault(key, {})
+
+    def prep(q, k, v, beta, g, variant):
+        return gpu._prepare(q, k, v, beta, g, 1.0 / math.sqrt(D), None, False, 64, None, False,
+                            INTERPRET, gpu.GpuBlockSizes(**TUNE[variant]))
+
     for op in OPS:
-        q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
+        q0, k0, v0, beta0, g0, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
         try:
-            q, k, v, beta, g, s0, cu, st = gpu._prepare(q, k, v, beta, g, 1.0 / math.sqrt(D), None, False, 64,
-                                                        None, False, INTERPRET,
-                                                        gpu.GpuBlockSizes(**TUNE[variant]))
-            k1 = jax.jit(lambda q, k, v, beta, g: gpu._intra_forward(st, q, k, v, beta, g, True))
-            r1 = k1(q, k, v, beta, g)
-            k2 = jax.jit(lambda q, k, v, g, r1: gpu._state_forward(st, q, k, v, g, None, None, r1, True))
-            r2 = k2(q, k, v, g, r1)
+            q, k, v, beta, g, s0, cu, st = prep(q0, k0, v0, beta0, g0, "default")
+            r1 = jax.jit(lambda q, k, v, beta, g: gpu._intra_forward(st, q, k, v, beta, g, True))(
+                q, k, v, beta, g)
+            r2 = jax.jit(lambda q, k, v, g, r1: gpu._state_forward(st, q, k, v, g, None, None, r1,
+                                                                   True))(q, k, v, g, r1)
             saved = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"],
                          vn=r2.get("vn"))
-            k3 = jax.jit(lambda q, k, g, saved, do: gpu._state_backward(st, q, k, g, None, saved, do, None))
-            r3 = k3(q, k, g, saved, do)
-            k4 = jax.jit(lambda q, k, v, beta, g, saved, do, r3: gpu._intra_backward(st, q, k, v, beta, g, saved,
-                                                                                     do, r3))
-            times = {"K1 intra fwd": time_jax(k1, q, k, v, beta, g),
-                     "K2 state fwd (+output)": time_jax(k2, q, k, v, g, r1),
-                     "K3 state bwd": time_jax(k3, q, k, g, saved, do),
-                     "K4 intra bwd": time_jax(k4, q, k, v, beta, g, saved, do, r3)}
-            res[op] = times
-            log(f"[stages] {key} {op}: " + "  ".join(f"{n}={t:.3f} ms" for n, t in times.items()))
+            r3 = jax.jit(lambda q, k, g, saved, do: gpu._state_backward(st, q, k, g, None, saved,
+                                                                        do, None))(
+                q, k, g, saved, do)
         except Exception as e:  # noqa: BLE001
-            res[op] = f"error: {type(e).__name__}: {str(e)[:300]}"
+            res_all[op] = f"error: {type(e).__name__}: {str(e)[:300]}"
             log(f"[stages] {key} {op} ERROR {type(e).__name__}: {str(e)[:1500]}")
             traceback.print_exc()
-        save()
+            continue
+        for variant in variants:
+            res = res_all if variant == "default" else res_all.setdefault(variant, {})
+            try:
+                stv = prep(q0, k0, v0, beta0, g0, variant)[-1]
+                calls = (
+                    (lambda q, k, v, beta, g: gpu._intra_forward(stv, q, k, v, beta, g, True),
+                     (q, k, v, beta, g)),
+                    (lambda q, k, v, g, r1: gpu._state_forward(stv, q, k, v, g, None, None, r1,
+                                                               True), (q, k, v, g, r1)),
+                    (lambda q, k, g, saved, do: gpu._state_backward(stv, q, k, g, None, saved,
+                                                                    do, None),
+                     (q, k, g, saved, do)),
+                    (lambda q, k, v, beta, g, saved, do, r3: gpu._intra_backward(
+                        stv, q, k, v, beta, g, saved, do, r3),
+                     (q, k, v, beta, g, saved, do, r3)))
+                times = {STAGE_NAMES[i]: time_jax(jax.jit(calls[i][0]), *calls[i][1])
+                         for i in _affected(variant)}
+                res[op] = times
+                log(f"[stages] {key} {op} {variant}: "
+                    + "  ".join(f"{n}={t:.3f} ms" for n, t in times.items()))
+            except Exception as e:  # noqa: BLE001
+                res[op] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                log(f"[stages] {key} {op} {variant} ERROR {type(e).__name__}: {str(e)[:1500]}")
+                traceback.print_exc()
+            save()
 
 
 def probe(shape):
