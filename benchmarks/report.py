@@ -7,8 +7,9 @@ FLOP model of the exact chunked delta rule (chunk C, per head and chunk; what an
 implementation, fla's included, must do): K Kᵀ, Q Kᵀ (2C²K each), the triangular solve (C³/3),
 W = T K and U = T V (2C²K + 2C²V), W S, Q S and the state update Kᵀ U (2CKV each), P U (2C²V).
 The backward is modelled as 2× the forward. Bytes: each input read once and each output written
-once (bf16 q, k, v, o, dq, dk, dv, do; beta bf16; g float32), per pass. The roofline uses this
-workplace's measured H200 ceilings: 790 TFLOP/s bf16, 4.3 TB/s.
+once (bf16 q, k, v, o, dq, dk, dv, do; beta bf16; g float32), per pass. The roofline uses the
+results' own "roofline" ceilings if given, else this workplace's measured H200 ceilings:
+790 TFLOP/s bf16, 4.3 TB/s.
 """
 from __future__ import annotations
 
@@ -35,12 +36,19 @@ def model(op, B, T, H, D, mode):
 
 
 def table(results) -> str:
+    roof = results.get("roofline", {})
+    peak_flops = roof.get("tflops", PEAK_FLOPS / 1e12) * 1e12
+    peak_bytes = roof.get("tbps", PEAK_BYTES / 1e12) * 1e12
     lines = [f"Device: {results['device']}; {results['date']}; "
              + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
-             f"Inputs: {results['dtype']}. Timing: {results['timing']}.", "",
-             "| shape B,T,H,D | op | pass | ours (Pallas) ms | fla ms | fla/ours (>1: we are faster) "
-             "| ours TFLOP/s | ours GB/s | roofline floor ms | XLA chunk ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"Inputs: {results['dtype']}. Timing: {results['timing']}."]
+    if roof:
+        lines.append(f"Roofline ceilings: {roof['tflops']} TFLOP/s bf16, {roof['tbps']} TB/s "
+                     f"({roof['source']}).")
+    lines += ["",
+              "| shape B,T,H,D | op | pass | ours (Pallas) ms | fla ms | fla/ours (>1: we are faster) "
+              "| ours TFLOP/s | ours GB/s | roofline floor ms | XLA chunk ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for shape, vals in results["bench_ms"].items():
         B, T, H, D = (int(x) for x in shape.split("x"))
         for op in ("gdn", "deltanet", "kda"):
@@ -51,7 +59,7 @@ def table(results) -> str:
                 if ours is None and fla is None:
                     continue
                 flops, nbytes = model(op, B, T, H, D, mode)
-                floor = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e3
+                floor = max(flops / peak_flops, nbytes / peak_bytes) * 1e3
                 fmt = lambda x: "—" if x is None else f"{x:.3f}"   # noqa: E731
                 ratio = f"{fla / ours:.2f}" if ours and fla else "—"
                 tflops = f"{flops / (ours * 1e-3) / 1e12:.0f}" if ours else "—"
@@ -60,11 +68,15 @@ def table(results) -> str:
                              f"{fmt(ours)} | {fmt(fla)} | {ratio} | {tflops} | {gbs} | {floor:.3f} | {fmt(xla)} |")
     lines += ["", "Peak device memory of one forward+backward (GB):", "",
               "| shape | op | ours | fla |", "| --- | --- | --- | --- |"]
+    if not results.get("memory_fwd_bwd_peak_GB"):
+        lines.append("| — | not measured in this run | | |")
     for shape, vals in results.get("memory_fwd_bwd_peak_GB", {}).items():
         for op in ("gdn", "deltanet", "kda"):
             lines.append(f"| {shape.replace('x', ',')} | {op} | {vals.get(f'{op}/ours', '—')} | "
                          f"{vals.get(f'{op}/fla', '—')} |")
     lines += ["", "Our kernels timed alone (ms), where the time goes:", ""]
+    if results.get("stages_note"):
+        lines += [results["stages_note"], ""]
     for shape, ops in results.get("stages_ms", {}).items():
         names = list(next(iter(ops.values())))
         lines += [f"| {shape.replace('x', ',')} | " + " | ".join(names) + " |",
@@ -78,6 +90,8 @@ def table(results) -> str:
             top = sorted(kernels.items(), key=lambda kv: -kv[1])
             lines.append(f"- {op} (total {sum(kernels.values()):.3f}): "
                          + ", ".join(f"{name.split('<')[0]} {t:.3f}" for name, t in top if t >= 0.01))
+    for note in results.get("notes", []):
+        lines += ["", note]
     if results.get("not_measured"):
         lines += ["", "Not measured: " + "; ".join(results["not_measured"]) + "."]
     return "\n".join(lines)
