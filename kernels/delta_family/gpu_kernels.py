@@ -265,60 +265,63 @@ def load_qk(ref, idx, cfg, is_q):
     return x
 
 
-def pair_diag(xs, y, g, stricts):
-    """Exact pairwise products inside one diagonal sub-block (channel gate).
+def block_rows(r, cfg, b):
+    """Loaders of single rows ([1, K], float32) of sub-block b of the chunk: k (normalised if
+    asked) and the raw channel gate g. A dynamic row is a load from the input block (cached),
+    not a masked reduction over the block in registers."""
+    def k_row(j):
+        return load_qk(r["k"], (pl.ds(b * SUB + j, 1), slice(None)), cfg, False)
 
-    For each x in xs (all [n, K]) returns Z [n, n] with
-    Z_ij = sum_c x_ic y_jc exp(sum_{j < l <= i} g_lc) for j < i (strict) or j <= i; the segment
-    sums are formed directly (masked, so every exponent is <= 0 for g <= 0).
+    def g_row(j):
+        return load_f32(r["g"], (pl.ds(b * SUB + j, 1), slice(None)))
+
+    return k_row, g_row
+
+
+def diag_pairs(y_row, g_row, n, K, fwd=(), bwd=()):
+    """Exact pairwise terms inside one diagonal sub-block (channel gate), all in one loop over
+    the columns j (descending) that shares each column's decays between the terms.
+
+    With seg_ijc = sum_{j < l <= i} g_lc and y_j = y_row(j) ([1, K]):
+      fwd: for each (x, strict): Z [n, n], Z_ij = sum_c x_ic y_jc exp(seg_ijc) for j < i
+           (strict) or j <= i;
+      bwd: for each (x, dz): the cotangents (dx, dy, dG) of the strict Z for the cotangent dz,
+           with dG_i += x_i dx_i (later end) and dG_j -= y_j dy_j (earlier end).
+    The segment sums are direct: column j's are column j + 1's plus g_{j+1} (a running sum from
+    the diagonal outward, the rounding of a cumsum of the segment, never a difference of
+    cumulative sums), masked, so every exponent is <= 0 for g <= 0.
+    Returns (list of Z, list of (dx, dy, dG)).
     """
-    n = y.shape[0]
-    rows = iota(y.shape, 0)
+    rows = iota((n, K), 0)
     cc = iota((n, n), 1)
     rv = iota((n,), 0)
 
-    def body(j, zs):
-        yj = row(y, j)
-        e = jnp.exp(jnp.cumsum(jnp.where(rows > j, g, 0.0), axis=0))
-        out = []
-        for x, z, strict in zip(xs, zs, stricts):
-            c = jnp.sum(x * (yj[None, :] * e), axis=1)
-            c = jnp.where(rv > j if strict else rv >= j, c, 0.0)
-            out.append(jnp.where(cc == j, c[:, None], z))
-        return tuple(out)
+    def body(t, carry):
+        seg, zs, grads = carry
+        j = n - 1 - t
+        seg = jnp.where(rows > j, seg + g_row(jnp.minimum(j + 1, n - 1)), 0.0)
+        e = jnp.exp(seg)                                    # 1 on rows <= j
+        yj = y_row(j)
+        ye = yj * e
+        new_z = []
+        for (x, strict), z in zip(fwd, zs):
+            c = jnp.where(rv > j if strict else rv >= j, jnp.sum(x * ye, axis=1), 0.0)
+            new_z.append(jnp.where(cc == j, c[:, None], z))
+        new_g = []
+        for (x, dz), (dx, dy, dg) in zip(bwd, grads):
+            dzj = jnp.where(rv > j, col(dz, j), 0.0)        # strict: rows i > j only
+            dxj = dzj[:, None] * ye                         # row side (later end)
+            dyj = jnp.sum(dzj[:, None] * e * x, axis=0, keepdims=True)   # column side, row j
+            at_j = rows == j
+            new_g.append((dx + dxj, dy + jnp.where(at_j, dyj, 0.0),
+                          dg + x * dxj - jnp.where(at_j, yj * dyj, 0.0)))
+        return seg, tuple(new_z), tuple(new_g)
 
-    init = tuple(jnp.zeros((n, n), F32) for _ in xs)
-    return lax.fori_loop(0, n, body, init)
-
-
-def pair_diag_bwd(x, y, g, dz, want_dg):
-    """Cotangents of Z_ij = sum_c x_ic y_jc exp(sum_{j<l<=i} g_lc), j < i, one diagonal block.
-
-    Returns (dx, dy, dG) with dG_i += x_i dx_i (later end), dG_j -= y_j dy_j (earlier end);
-    dG is None unless want_dg.
-    """
-    n = y.shape[0]
-    rows = iota(y.shape, 0)
-    rv = iota((n,), 0)
-
-    def body(j, carry):
-        dx, dy, dg = carry
-        yj = row(y, j)
-        e = jnp.exp(jnp.cumsum(jnp.where(rows > j, g, 0.0), axis=0))
-        e = jnp.where(rows > j, e, 0.0)                      # strict: only rows i > j
-        dzj = jnp.where(rv > j, col(dz, j), 0.0)             # [n]
-        ex = dzj[:, None] * e                                # [n, K]
-        dxj = ex * yj[None, :]                               # row-side contribution
-        dyj = jnp.sum(ex * x, axis=0)                        # [K], col-side for row j
-        dx = dx + dxj
-        dy = dy + jnp.where(rows == j, dyj[None, :], 0.0)
-        if want_dg:
-            dg = dg + x * dxj - jnp.where(rows == j, (yj * dyj)[None, :], 0.0)
-        return dx, dy, dg
-
-    z = jnp.zeros(y.shape, F32)
-    dx, dy, dg = lax.fori_loop(0, n, body, (z, z, z))
-    return dx, dy, (dg if want_dg else None)
+    zero = jnp.zeros((n, K), F32)
+    init = (zero, tuple(jnp.zeros((n, n), F32) for _ in fwd),
+            tuple((zero, zero, zero) for _ in bwd))
+    _, zs, grads = lax.fori_loop(0, n, body, init)
+    return list(zs), list(grads)
 
 
 def gate_blocks(r, cfg, nb):
@@ -462,8 +465,9 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
                         A[i, j] = mm_nt(ai, bj, low)
                         P[i, j] = mm_nt(aq, bj, low)
                     else:
-                        A[i, i], P[i, i] = pair_diag([ks[i], qs[i]], ks[i], gs[i],
-                                                     [True, False])
+                        (A[i, i], P[i, i]), _ = diag_pairs(
+                            *block_rows(r, cfg, i), SUB, cfg.K,
+                            fwd=((ks[i], True), (qs[i], False)))
                 else:
                     a = mm_nt(ks[i], ks[j], low)
                     if cfg.gate == "scalar":
@@ -916,11 +920,11 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
                 dG[i] = dG[i] + qs[i] * dqi + ks[i] * dki
                 dG[j] = dG[j] - ks[j] * dkj
             else:
-                (a,) = pair_diag([ks[i]], ks[i], gs[i], [True])
-                dbeta[i] = dbeta[i] + jnp.sum(dm * a, axis=1)
                 da = bs[i][:, None] * dm
-                dqi, dkj_p, dgp = pair_diag_bwd(qs[i], ks[i], gs[i], dp, True)
-                dki, dkj_a, dga = pair_diag_bwd(ks[i], ks[i], gs[i], da, True)
+                (a,), ((dqi, dkj_p, dgp), (dki, dkj_a, dga)) = diag_pairs(
+                    *block_rows(r, cfg, i), SUB, cfg.K, fwd=((ks[i], True),),
+                    bwd=((qs[i], dp), (ks[i], da)))
+                dbeta[i] = dbeta[i] + jnp.sum(dm * a, axis=1)
                 # The diagonal of P (empty segment): gradients to q and k, none to the gate.
                 dpd = jnp.sum(jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), dp, 0.0),
                               axis=1)
