@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
+
+from atlas_jax.linalg import solve_unit_lower
 
 __all__ = ["deep_transformer", "swdt", "dot"]
 
@@ -75,6 +76,6 @@ def dot(q, k, v, beta=None, *, scale=None):
     kernel_kk = jnp.exp(jnp.where(strictly_lower, jnp.einsum("BTHK,BSHK->BHTS", kf, kf), -jnp.inf))
     bh = jnp.moveaxis(bf, 1, 2)[..., None]                                # [B, H, T, 1]
     system = jnp.eye(time) + bh * kernel_kk                              # (I + diag(β) A)
-    u = solve_triangular(system, bh * jnp.moveaxis(vf, 1, 2), lower=True, unit_diagonal=True)
+    u = solve_unit_lower(system, bh * jnp.moveaxis(vf, 1, 2))       # unit diagonal: I + ...
     kernel_qk = jnp.exp(jnp.where(_causal_mask(time, None), jnp.einsum("BTHK,BSHK->BHTS", scale * qf, kf), -jnp.inf))
     return jnp.einsum("BHTS,BHSV->BTHV", kernel_qk, u).astype(v.dtype)

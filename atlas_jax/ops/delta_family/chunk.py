@@ -19,7 +19,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
+
+from atlas_jax.linalg import solve_unit_lower
 
 # f32 dots must stay f32 on GPU/TPU too, or the form stops being exact.
 _HI = jax.lax.Precision.HIGHEST
@@ -157,7 +158,7 @@ def chunk_delta_family(q, k, v, beta, g=None, *, delta=True, scale=1.0, initial_
         # Unit lower-triangular system (I + diag(beta) A); solve for both right-hand sides at once.
         lhs = bc[..., None] * a
         rhs = jnp.concatenate([bv, bc[..., None] * kg], axis=-1)
-        sol = solve_triangular(lhs, rhs, lower=True, unit_diagonal=True)
+        sol = solve_unit_lower(lhs, rhs)
         u0, w = sol[..., :V], sol[..., V:]                      # U = U0 - W S0
     else:
         u0, w = bv, None
