@@ -12,6 +12,10 @@ XLA sizes its client and compiler thread pools from the CPU affinity mask
 many-core host each pytest-xdist worker would start one thread per host core and the quota
 throttles them all. XLA reads NPROC (PJRT_NPROC first) as the reservation instead; we set it to
 min(affinity, quota) unless the caller already did.
+
+A small pool exposed a deadlock (a test hung here with both threads of the 2-thread pool inside
+LAPACK trsm, each waiting for batch work queued behind the other): the XLA forms now solve with
+matmuls (atlas_jax/linalg.py). pytest-timeout turns any other hang into a failure with stacks.
 """
 from __future__ import annotations
 
