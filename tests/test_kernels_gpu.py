@@ -356,6 +356,10 @@ def test_validation_errors():
         f(q, k, v, beta, g, block_sizes=GpuBlockSizes(block_v_out=64))     # > V = 32
     with pytest.raises(ValueError, match="merge_dots"):
         f(q, k, v, beta, g, block_sizes=GpuBlockSizes(merge_dots=4))
+    with pytest.raises(ValueError, match="num_warps_solve"):
+        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_warps_solve=3))
+    with pytest.raises(ValueError, match="num_stages_state"):
+        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_stages_state=0))
 
 
 # ---------------------------------------------------------------------------------------------

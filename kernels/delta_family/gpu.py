@@ -58,6 +58,11 @@ CHUNK_SIZES = (16, 32, 64)
 _HAS_BARRIER = hasattr(plgpu, "debug_barrier")
 
 
+def _given(value, default):
+    """The field if set (0 included, so that validation sees it), else the heuristic's value."""
+    return default if value is None else value
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
     """Tiling and launch parameters of the GPU kernels (None: a heuristic from the shapes).
@@ -150,7 +155,7 @@ class GpuBlockSizes:
             bv = min(V, 64)
             while programs is not None and bv > 32 and programs * (V // bv) < 128:
                 bv //= 2
-        bvb = self.block_v_bwd or min(V, 32 if K >= 256 else 64)
+        bvb = _given(self.block_v_bwd, min(V, 32 if K >= 256 else 64))
         big = max(K, V) >= 256
         split_intra = gate != "channel" if self.split_intra is None else self.split_intra
         if low and K <= 128:
@@ -159,16 +164,16 @@ class GpuBlockSizes:
             stages = 1
         return dataclasses.replace(
             self, block_v=bv, block_v_bwd=bvb,
-            num_warps_intra=self.num_warps_intra or (8 if big else 4),
-            num_warps_state=self.num_warps_state or (8 if K >= 256 else 4),
+            num_warps_intra=_given(self.num_warps_intra, (8 if big else 4)),
+            num_warps_state=_given(self.num_warps_state, (8 if K >= 256 else 4)),
             # Measured on an H200 (B4 T4096 H16 D128 bf16, this K4): 8 warps for the
             # scalar gate (GDN fwd+bwd 2.89 -> 2.60 ms), 4 for none and channel (DeltaNet 1.86
             # vs 2.04 with 8, KDA 22.6 vs 25.8).
-            num_warps_bwd=self.num_warps_bwd or (8 if gate == "scalar" else 4),
-            num_stages_state=self.num_stages_state or stages,
+            num_warps_bwd=_given(self.num_warps_bwd, (8 if gate == "scalar" else 4)),
+            num_stages_state=_given(self.num_stages_state, stages),
             fuse_output=False if self.fuse_output is None else self.fuse_output,
-            block_v_out=self.block_v_out or min(V, 128),
-            num_warps_out=self.num_warps_out or (8 if big else 4),
+            block_v_out=_given(self.block_v_out, min(V, 128)),
+            num_warps_out=_given(self.num_warps_out, (8 if big else 4)),
             # The wide K1 needs the Triton barrier primitive (present in jax 0.10 and 0.11).
             # Measured on an H200: for GDN in float32 (B2 T1000 H4 D128) the 16-row K1's output
             # is 1.4e-5 off the float32 reference (bar 1e-5) against 8e-7 for the wide one;
@@ -181,12 +186,12 @@ class GpuBlockSizes:
             wide_intra=((_HAS_BARRIER and gate != "channel" and K <= 128
                          and (split_intra or not low))
                         if self.wide_intra is None else self.wide_intra),
-            merge_dots=self.merge_dots or 3,
-            diag_inverse=self.diag_inverse or "products",
+            merge_dots=_given(self.merge_dots, 3),
+            diag_inverse=_given(self.diag_inverse, "products"),
             split_state_bwd=(gate == "scalar" if self.split_state_bwd is None
                              else self.split_state_bwd),
             split_intra=split_intra,
-            num_warps_solve=self.num_warps_solve or 2)
+            num_warps_solve=_given(self.num_warps_solve, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +298,17 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
         if not _is_int(b) or b < 16 or b & (b - 1) or V % b:
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two >= 16 "
                              f"dividing V = {V}; got {b!r}.")
+    for name in ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
+                 "num_warps_out"):
+        w = getattr(bs, name)
+        if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
+            raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from "
+                             f"1 to 32 (warps per program); got {w!r}.")
+    for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd"):
+        n = getattr(bs, name)
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a positive integer "
+                             f"(pipeline stages); got {n!r}.")
     if bs.diag_inverse not in ("products", "substitution"):
         raise ValueError(f"{_FN}: argument `block_sizes.diag_inverse` must be 'products' or "
                          f"'substitution'; got {bs.diag_inverse!r}.")
