@@ -365,9 +365,9 @@ TUNE = {
     "legacy": dict(fuse_output=True, wide_intra=False, merge_dots=6,
                    diag_inverse="substitution", num_warps_bwd=4, split_intra=False,
                    split_state_bwd=False, num_stages_state=2),
-    # the defaults before 2026-11-21 (one K1, two state-pass stages, one reverse pass)
-    "before_split": dict(split_intra=False, split_state_bwd=False, num_stages_state=2,
-                         num_warps_intra=8),
+    # the defaults before 2026-11-21 (one K1, two state-pass stages, one reverse pass); KDA's
+    # K1 then also ran on 8 warps (intra_w8)
+    "before_split": dict(split_intra=False, split_state_bwd=False, num_stages_state=2),
     "fused_out": dict(fuse_output=True),
     "narrow_intra": dict(wide_intra=False),
     "merge6": dict(merge_dots=6),

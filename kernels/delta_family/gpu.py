@@ -164,16 +164,16 @@ class GpuBlockSizes:
             stages = 1
         return dataclasses.replace(
             self, block_v=bv, block_v_bwd=bvb,
-            num_warps_intra=_given(self.num_warps_intra, (8 if big else 4)),
-            num_warps_state=_given(self.num_warps_state, (8 if K >= 256 else 4)),
+            num_warps_intra=_given(self.num_warps_intra, 8 if big else 4),
+            num_warps_state=_given(self.num_warps_state, 8 if K >= 256 else 4),
             # Measured on an H200 (B4 T4096 H16 D128 bf16, this K4): 8 warps for the
             # scalar gate (GDN fwd+bwd 2.89 -> 2.60 ms), 4 for none and channel (DeltaNet 1.86
             # vs 2.04 with 8, KDA 22.6 vs 25.8).
-            num_warps_bwd=_given(self.num_warps_bwd, (8 if gate == "scalar" else 4)),
+            num_warps_bwd=_given(self.num_warps_bwd, 8 if gate == "scalar" else 4),
             num_stages_state=_given(self.num_stages_state, stages),
             fuse_output=False if self.fuse_output is None else self.fuse_output,
             block_v_out=_given(self.block_v_out, min(V, 128)),
-            num_warps_out=_given(self.num_warps_out, (8 if big else 4)),
+            num_warps_out=_given(self.num_warps_out, 8 if big else 4),
             # The wide K1 needs the Triton barrier primitive (present in jax 0.10 and 0.11).
             # Measured on an H200: for GDN in float32 (B2 T1000 H4 D128) the 16-row K1's output
             # is 1.4e-5 off the float32 reference (bar 1e-5) against 8e-7 for the wide one;

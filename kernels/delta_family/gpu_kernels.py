@@ -5,7 +5,8 @@ lowering supports in jax 0.10 and 0.11 alike: 1-D/2-D arrays whose sizes are pow
 `pl.ds` loads/stores, iota masks, `jnp.where`, `jnp.exp`, axis reductions, a forward
 `jnp.cumsum`, 2-D `lax.dot_general` with float32 accumulation, static Python loops and
 `lax.fori_loop`. No slicing of register values (the Triton lowering has no `slice`): sub-blocks
-are loaded from memory, rows are extracted with masked reductions.
+are loaded from memory, rows are loaded ([1, K] blocks at a dynamic row) or extracted with
+masked reductions.
 
 Per chunk of C tokens (row i = token i of the chunk), start state S [K, V] (float32), the
 inclusive chunk-local cumulative log-decay G_i = sum_{l <= i} g_l (float32) and Gam = exp(G):
