@@ -15,8 +15,9 @@ Semantics (per token t, state S in R^{K x V}, float32), as `atlas_jax.ops.chunk_
 Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks:
   forward   K1 intra  grid (NT, B, H): blocked (I + diag(beta) A)^-1 (16x16 diagonal blocks
                       as Neumann products for bf16, by substitution for float32), W, U0
-                      (+ P for KDA); for the scalar or no gate split in two (split_intra):
-                      K1a the inverse T on few warps, K1b W, U0 = T X, T Y
+                      (+ P for KDA); by default split (split_intra): K1a the inverse T on
+                      few warps, K1b W, U0 = T X, T Y; for KDA A and P come first from K1d
+                      (diagonal 16x16 blocks, grid (NT * C/16, B, H)) and K1p (the others)
             K2 state  grid (NS, H, V/BV): sequential over chunks; lean (default): only
                       U = U0 - W S (stored, "v_new"), the state update and h per chunk, two
                       dots per chunk on the sequential path; fused (fuse_output=True): also
@@ -25,7 +26,9 @@ Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks
   backward  K3 state  grid (NS, H, V/BV): reverse pass for dS per chunk and dU; with
                       split_state_bwd=True, K3a grid (V/BVo, NT, B, H) first computes
                       dU_local = P^T dO in parallel and K3 adds the state's part in place
-            K4 intra  grid (NT, B, H): dq, dk, dv, dbeta, dg (KDA: + K4b sub-block kernel)
+            K4 intra  grid (NT, B, H): dq, dk, dv, dbeta, dg (KDA: the dense part, then
+                      K4d for the diagonal blocks, one program per block, and K4b for the
+                      off-diagonal ones)
 Plain XLA glue: padding T to a multiple of C and the packed-varlen layout (each sequence starts
 on a chunk boundary, so no state crosses a boundary; sequences are chunk ranges of the state
 passes). On CPU the same kernels run with `interpret=True`.
@@ -98,13 +101,16 @@ class GpuBlockSizes:
                    sequential path; False: one reverse pass that also recomputes P and P^T dO
                    per chunk. Default: split for the scalar gate (faster on an H100), one pass
                    for no gate (equal or faster) and the channel gate (not timed split).
-    split_intra:   True (default for the scalar or no gate): K1 as two kernels, as fla splits
-                   it: K1a (num_warps_solve warps) forms A and its blocked inverse T, stored in
-                   float32; K1b (num_warps_intra warps) reads T back and forms W, U0 as
-                   whole-chunk dots. The 16x16 steps of the inverse then run on fewer warps
-                   than the [C, K] dots want. False (default for the channel gate, whose W
-                   is slower as a whole-chunk dot): one kernel.
+    split_intra:   True (default): K1 as two kernels, as fla splits it: K1a (num_warps_solve
+                   warps) forms A and its blocked inverse T, stored in float32; K1b
+                   (num_warps_intra warps) reads T back and forms W, U0 as whole-chunk dots.
+                   The 16x16 steps of the inverse then run on fewer warps than the [C, K] dots
+                   want. For the channel gate A (and P) come first from K1d (diagonal blocks,
+                   one program per block) and K1p (the other blocks). False: one kernel.
     num_warps_solve: warps of K1a (None: 2).
+    num_warps_diag: warps of the channel gate's diagonal-block kernels K1d and K4d, one
+                   program per 16-row block (None: 4; H100, B4 T4096 H16 D128: K1d 1.21
+                   ms vs 1.37 at 2, K4d 2.86 vs 4.65).
     diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
                    Neumann series as three squarings and three products on tensor cores) or
                    "substitution" (forward substitution, a serial chain of 15 row steps, which
@@ -130,6 +136,7 @@ class GpuBlockSizes:
     split_state_bwd: bool | None = None
     split_intra: bool | None = None
     num_warps_solve: int | None = None
+    num_warps_diag: int | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -157,7 +164,7 @@ class GpuBlockSizes:
                 bv //= 2
         bvb = _given(self.block_v_bwd, min(V, 32 if K >= 256 else 64))
         big = max(K, V) >= 256
-        split_intra = gate != "channel" if self.split_intra is None else self.split_intra
+        split_intra = True if self.split_intra is None else self.split_intra
         if low and K <= 128:
             stages = 2 if gate == "channel" else 3
         else:
@@ -169,7 +176,9 @@ class GpuBlockSizes:
             # Measured on an H200 (B4 T4096 H16 D128 bf16, this K4): 8 warps for the
             # scalar gate (GDN fwd+bwd 2.89 -> 2.60 ms), 4 for none and channel (DeltaNet 1.86
             # vs 2.04 with 8, KDA 22.6 vs 25.8).
-            num_warps_bwd=_given(self.num_warps_bwd, 8 if gate == "scalar" else 4),
+            # KDA's K4 (H100, same shape, new kernel split): 1.92 ms at 8 vs 2.62 at 4; its
+            # K4b 2.68 vs 2.52.
+            num_warps_bwd=_given(self.num_warps_bwd, 4 if gate == "none" else 8),
             num_stages_state=_given(self.num_stages_state, stages),
             fuse_output=False if self.fuse_output is None else self.fuse_output,
             block_v_out=_given(self.block_v_out, min(V, 128)),
@@ -191,7 +200,8 @@ class GpuBlockSizes:
             split_state_bwd=(gate == "scalar" if self.split_state_bwd is None
                              else self.split_state_bwd),
             split_intra=split_intra,
-            num_warps_solve=_given(self.num_warps_solve, 2))
+            num_warps_solve=_given(self.num_warps_solve, 2),
+            num_warps_diag=_given(self.num_warps_diag, 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +309,7 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two >= 16 "
                              f"dividing V = {V}; got {b!r}.")
     for name in ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
-                 "num_warps_out"):
+                 "num_warps_out", "num_warps_diag"):
         w = getattr(bs, name)
         if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from "
@@ -363,6 +373,19 @@ def _chunk_specs(C):
         return pl.BlockSpec((None, C, None, d), lambda n, b, h: (b, n, h, 0))
     vec = pl.BlockSpec((None, C, None), lambda n, b, h: (b, n, h))
     return rows, vec
+
+
+def _subblock_specs(C):
+    """BlockSpecs of the per-16-row-block kernels (channel gate), grid (NT * C / 16, B, H):
+    rows(d) of one block, its per-token scalars, and its diagonal 16x16 block of a [C, C]
+    per-chunk matrix."""
+    nb = C // gk.SUB
+
+    def rows(d):
+        return pl.BlockSpec((None, gk.SUB, None, d), lambda n, b, h: (b, n, h, 0))
+    vec = pl.BlockSpec((None, gk.SUB, None), lambda n, b, h: (b, n, h))
+    diag = pl.BlockSpec((None, gk.SUB, None, gk.SUB), lambda n, b, h: (b, n, h, n % nb))
+    return rows, vec, diag
 
 
 def _vblock_specs(C, bv):
@@ -438,12 +461,32 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
     kc, bs = st.kc, st.bs
     B, Tp, H, _ = outs[0][1].shape
     C, NT = kc.C, outs[0][1].shape[1] // kc.C
-    solve_outs = [("tmat", _sds((B, Tp, H, C), F32), rows(C))]
+    tmat = ("tmat", _sds((B, Tp, H, C), F32), rows(C))
+    solve_ins = [x for x in ins if x[0] != "v"]
     if kc.gate == "channel":
-        solve_outs.append(("p", _sds((B, Tp, H, C), F32), rows(C)))
-    r = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
-              (NT, B, H), [x for x in ins if x[0] != "v"], solve_outs, name="delta_intra_solve",
-              num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret)
+        # K1d: the diagonal 16x16 blocks of M and P, one program per block; K1p: the other
+        # blocks around them (in place); the solve then overwrites M with T in place.
+        nb = C // gk.SUB
+        r16, v16, diag16 = _subblock_specs(C)
+        d = _call(functools.partial(gk.channel_diag_fwd_kernel, cfg=kc), (NT * nb, B, H),
+                  [(n, a, r16(kc.K) if n != "beta" else v16) for n, a, _ in solve_ins],
+                  [("tmat", tmat[1], diag16), ("p", tmat[1], diag16)], name="delta_intra_diag",
+                  num_warps=bs.num_warps_diag, num_stages=1, interpret=st.interpret)
+        r = _call(functools.partial(gk.channel_pairs_kernel, cfg=kc), (NT, B, H),
+                  solve_ins + [("m_d", d["tmat"], rows(C)), ("p_d", d["p"], rows(C))],
+                  [tmat, ("p", tmat[1], rows(C))], name="delta_intra_pairs",
+                  num_warps=bs.num_warps_intra, num_stages=1, interpret=st.interpret,
+                  aliases={"m_d": "tmat", "p_d": "p"})
+        solve_ins = [x for x in ins if x[0] == "beta"] + [("m", r["tmat"], rows(C))]
+        r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True,
+                                         part="solve"),
+                       (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
+                       num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret,
+                       aliases={"m": "tmat"}))
+    else:
+        r = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
+                  (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
+                  num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret)
     wu_ins = [x for x in ins if x[0] != "q"] + [("tmat", r["tmat"], rows(C))]
     r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=False, part="wu"),
                    (NT, B, H), wu_ins, outs, name="delta_intra_wu",
@@ -640,10 +683,29 @@ def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):
                name="delta_intra_bwd", num_warps=bs.num_warps_bwd,
                num_stages=bs.num_stages_bwd, interpret=st.interpret)
     if kc.gate == "channel":
+        # K4d: the diagonal blocks' pairwise terms, one program per block, added in place to
+        # K4's dense parts; K4b: the off-diagonal ones and the gate's reverse sum.
+        nb = C // gk.SUB
+        r16, v16, diag16 = _subblock_specs(C)
+        tot_spec = pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, n, h, 0))
+        d = _call(functools.partial(gk.channel_diag_bwd_kernel, cfg=kc), (NT * nb, B, H),
+                  [("q", q, r16(K)), ("k", k, r16(K)), ("g", g, r16(K)), ("beta", beta, v16),
+                   ("dp_d", r4["dp"], diag16), ("dm_d", r4["dm"], diag16),
+                   ("dq_in", r4["dq_p"], r16(K)), ("dk_in", r4["dk_p"], r16(K)),
+                   ("dg_in", r4["dg_p"], r16(K)), ("db_in", r4["db_p"], v16)],
+                  [("dq", _sds((B, Tp, H, K), F32), r16(K)),
+                   ("dk", _sds((B, Tp, H, K), F32), r16(K)),
+                   ("dg", _sds((B, Tp, H, K), F32), r16(K)), ("db", _sds((B, Tp, H), F32), v16),
+                   ("dtot", _sds((B, NT * nb, H, K), F32), tot_spec)],
+                  name="delta_intra_bwd_diag", num_warps=bs.num_warps_diag, num_stages=1,
+                  interpret=st.interpret,
+                  aliases={"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "db_in": "db"})
         ins = [("q", q, rows(K)), ("k", k, rows(K)), ("beta", beta, vec), ("g", g, rows(K)),
-               ("dq_p", r4["dq_p"], rows(K)), ("dk_p", r4["dk_p"], rows(K)),
-               ("dg_p", r4["dg_p"], rows(K)), ("db_p", r4["db_p"], vec),
-               ("dp", r4["dp"], rows(C)), ("dm", r4["dm"], rows(C))]
+               ("dq_p", d["dq"], rows(K)), ("dk_p", d["dk"], rows(K)),
+               ("dg_p", d["dg"], rows(K)), ("db_p", d["db"], vec),
+               ("dp", r4["dp"], rows(C)), ("dm", r4["dm"], rows(C)),
+               ("dtot", d["dtot"], pl.BlockSpec((None, nb, None, K),
+                                                lambda n, b, h: (b, n, h, 0)))]
         outs = [("dq", _sds(q.shape, q.dtype), rows(K)), ("dk", _sds(k.shape, k.dtype), rows(K)),
                 ("dg", _sds(g.shape, g.dtype), rows(K)),
                 ("dbeta", _sds(beta.shape, beta.dtype), vec)]

@@ -279,26 +279,30 @@ def block_rows(r, cfg, b):
     return k_row, g_row
 
 
-def diag_pairs(y_row, g_row, n, K, fwd=(), bwd=()):
+def diag_pairs(y_row, g_row, n, K, fwd=(), bwd=(), unroll=False):
     """Exact pairwise terms inside one diagonal sub-block (channel gate), all in one loop over
     the columns j (descending) that shares each column's decays between the terms.
 
     With seg_ijc = sum_{j < l <= i} g_lc and y_j = y_row(j) ([1, K]):
       fwd: for each (x, strict): Z [n, n], Z_ij = sum_c x_ic y_jc exp(seg_ijc) for j < i
            (strict) or j <= i;
-      bwd: for each (x, dz): the cotangents (dx, dy, dG) of the strict Z for the cotangent dz,
-           with dG_i += x_i dx_i (later end) and dG_j -= y_j dy_j (earlier end).
+      bwd: for each (x, dz): the cotangents of the strict Z for the cotangent dz: dx per pair,
+           and dy and dG summed over the pairs (they share y), with dG_i += x_i dx_i (later
+           end) and dG_j -= y_j dy_j (earlier end).
     The segment sums are direct: column j's are column j + 1's plus g_{j+1} (a running sum from
     the diagonal outward, the rounding of a cumsum of the segment, never a difference of
     cumulative sums), masked, so every exponent is <= 0 for g <= 0.
-    Returns (list of Z, list of (dx, dy, dG)).
+    Returns (list of Z, (list of dx, dy, dG)); the carry is one [n, K] value per pair plus
+    three, so that the loop stays in registers. unroll: a static loop (the row loads do not
+    depend on the carry and can be issued ahead; the sub-block kernels' choice) instead of a
+    device loop (one body, fewer registers).
     """
     rows = iota((n, K), 0)
     cc = iota((n, n), 1)
     rv = iota((n,), 0)
 
     def body(t, carry):
-        seg, zs, grads = carry
+        seg, zs, dxs, dy, dg = carry
         j = n - 1 - t
         seg = jnp.where(rows > j, seg + g_row(jnp.minimum(j + 1, n - 1)), 0.0)
         e = jnp.exp(seg)                                    # 1 on rows <= j
@@ -308,21 +312,30 @@ def diag_pairs(y_row, g_row, n, K, fwd=(), bwd=()):
         for (x, strict), z in zip(fwd, zs):
             c = jnp.where(rv > j if strict else rv >= j, jnp.sum(x * ye, axis=1), 0.0)
             new_z.append(jnp.where(cc == j, c[:, None], z))
-        new_g = []
-        for (x, dz), (dx, dy, dg) in zip(bwd, grads):
-            dzj = jnp.where(rv > j, col(dz, j), 0.0)        # strict: rows i > j only
-            dxj = dzj[:, None] * ye                         # row side (later end)
-            dyj = jnp.sum(dzj[:, None] * e * x, axis=0, keepdims=True)   # column side, row j
+        if bwd:
+            new_dx, comb = [], None
+            for (x, dz), dx in zip(bwd, dxs):
+                dzj = jnp.where(rv > j, col(dz, j), 0.0)[:, None]   # strict: rows i > j
+                new_dx.append(dx + dzj * ye)                        # row side (later end)
+                comb = dzj * x if comb is None else comb + dzj * x
+            dyj = jnp.sum(comb * e, axis=0, keepdims=True)          # column side, row j
             at_j = rows == j
-            new_g.append((dx + dxj, dy + jnp.where(at_j, dyj, 0.0),
-                          dg + x * dxj - jnp.where(at_j, yj * dyj, 0.0)))
-        return seg, tuple(new_z), tuple(new_g)
+            dy = dy + jnp.where(at_j, dyj, 0.0)
+            dg = dg + comb * ye - jnp.where(at_j, yj * dyj, 0.0)
+            dxs = tuple(new_dx)
+        return seg, tuple(new_z), dxs, dy, dg
 
     zero = jnp.zeros((n, K), F32)
-    init = (zero, tuple(jnp.zeros((n, n), F32) for _ in fwd),
-            tuple((zero, zero, zero) for _ in bwd))
-    _, zs, grads = lax.fori_loop(0, n, body, init)
-    return list(zs), list(grads)
+    init = (zero, tuple(jnp.zeros((n, n), F32) for _ in fwd), tuple(zero for _ in bwd),
+            zero, zero)
+    if unroll:
+        carry = init
+        for t in range(n):
+            carry = body(t, carry)
+        _, zs, dxs, dy, dg = carry
+    else:
+        _, zs, dxs, dy, dg = lax.fori_loop(0, n, body, init)
+    return list(zs), (list(dxs), dy, dg)
 
 
 def gate_blocks(r, cfg, nb):
@@ -403,9 +416,10 @@ def barrier(cfg):
 
 
 def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
-    """K1 (part "all"), or its two halves as separate kernels (part "solve": T, and P for the
-    channel gate, into the tmat / p outputs; part "wu": W, U0 from the stored T as whole-chunk
-    dots). Two layouts of the whole / solve kernel (cfg.wide):
+    """K1 (part "all"), or its two halves as separate kernels (part "solve": T into the tmat
+    output, from M = diag(beta) A in the "m" input for the channel gate (K1d, K1p), else
+    forming A itself; part "wu": W, U0 from the stored T as whole-chunk dots). Two layouts of
+    the whole / solve kernel (cfg.wide):
 
     sub-blocks: A, W and U0 as 16-row sub-block dots (the tile the blocked inverse works in).
     wide:       A = K K^T as one [C, C] dot (no gate / scalar gate; the channel gate keeps its
@@ -429,16 +443,21 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
     bs = [load_f32(r["beta"], pl.ds(b * SUB, SUB)) for b in range(nb)]
 
     P = {}
-    if wide_a:
-        k = load_qk(r["k"], all_, cfg, False)
-        a = mm_nt(k, k, low)
-        if cfg.gate == "scalar":
-            a = a * scalar_decay(jnp.cumsum(load_f32(r["g"], slice(None))), False)
-        else:
-            a = jnp.where(iota((C, C), 0) > iota((C, C), 1), a, 0.0)
-        r["tmat"][:, :] = load_f32(r["beta"], slice(None))[:, None] * a
-        barrier(cfg)
-        M = {(i, j): load_f32(r["tmat"], (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
+    # The channel gate's split solve finds M = diag(beta) A in the "m" buffer (K1p, aliased
+    # to tmat, which it overwrites with T).
+    m_given = part == "solve" and cfg.gate == "channel"
+    if wide_a or m_given:
+        if wide_a:
+            k = load_qk(r["k"], all_, cfg, False)
+            a = mm_nt(k, k, low)
+            if cfg.gate == "scalar":
+                a = a * scalar_decay(jnp.cumsum(load_f32(r["g"], slice(None))), False)
+            else:
+                a = jnp.where(iota((C, C), 0) > iota((C, C), 1), a, 0.0)
+            r["tmat"][:, :] = load_f32(r["beta"], slice(None))[:, None] * a
+            barrier(cfg)
+        src = r["m"] if m_given else r["tmat"]
+        M = {(i, j): load_f32(src, (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
              for i in range(nb) for j in range(i + 1)}
         barrier(cfg)          # every block is read before the inverse overwrites the buffer
     else:
@@ -502,7 +521,7 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
                 blk = blocks[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
                 r[name][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk
 
-    if cfg.gate == "channel":
+    if P:
         store_blocks("p", P)
 
     # W = T (beta Gam k), U0 = T (beta v).
@@ -550,6 +569,63 @@ def wu_from_t(r, cfg: KernelCfg):
         x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
     r["w"][:, :] = mm(t, x, cfg.low).astype(r["w"].dtype)
     r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), cfg.low).astype(r["u0"].dtype)
+
+
+def channel_diag_fwd_kernel(r, cfg: KernelCfg):
+    """K1d (channel gate): one 16-row diagonal block of M = diag(beta) A and of P, by exact
+    pairwise decays (`diag_pairs`), grid (chunks x blocks, B, H).
+
+    The pairwise terms are a serial chain of 16 column steps; with one program per block (as
+    fla's token-parallel kernel) four times as many short programs run at once as with one
+    per chunk, where the chains of a chunk's four blocks ran one after another (measured on an
+    H100, B4 T4096 H16 D128: K1 2.6-3.6 ms, almost all of it these chains).
+    """
+    all_ = (slice(None), slice(None))
+    k = load_qk(r["k"], all_, cfg, False)
+    q = load_qk(r["q"], all_, cfg, True)
+    (a, p), _ = diag_pairs(*block_rows(r, cfg, 0), SUB, cfg.K, fwd=((k, True), (q, False)),
+                           unroll=True)
+    r["tmat"][:, :] = load_f32(r["beta"], slice(None))[:, None] * a
+    r["p"][:, :] = p
+
+
+def channel_pairs_kernel(r, cfg: KernelCfg):
+    """K1p (channel gate, split K1): the strictly lower off-diagonal blocks of M = diag(beta) A
+    into the tmat buffer and of P into p (zeros above the diagonal), written around K1d's
+    diagonal blocks (both buffers are aliased in and out), one block row at a time.
+
+    Only one block row's operands are live at a time (its k, q times the in-block decays) and
+    the earlier rows are loaded where used, instead of every block's k, q, g and factors at
+    once, which a 128-thread program cannot keep in registers at K = 128. Off-diagonal blocks
+    are factored through the first row of the later block (`channel_factors`); the factor of
+    block j is exp(suffix_j + e), e the gate from row j's block end to that first row, summed
+    going back from the diagonal.
+    """
+    C, K, low = cfg.C, cfg.K, cfg.low
+    nb = C // SUB
+    rows = iota((SUB, K), 0)
+    zero = jnp.zeros((SUB, SUB), F32)
+    for i in range(nb):
+        si = pl.ds(i * SUB, SUB)
+        for j in range(i + 1, nb):
+            r["p"][si, pl.ds(j * SUB, SUB)] = zero
+        if not i:
+            continue
+        gi = load_f32(r["g"], (si, slice(None)))
+        fxi = jnp.exp(jnp.cumsum(jnp.where(rows > 0, gi, 0.0), axis=0))
+        ai = load_qk(r["k"], (si, slice(None)), cfg, False) * fxi
+        aq = load_qk(r["q"], (si, slice(None)), cfg, True) * fxi
+        bi = load_f32(r["beta"], si)[:, None]
+        e = row(gi, 0)
+        for j in range(i - 1, -1, -1):
+            sj = pl.ds(j * SUB, SUB)
+            gj = load_f32(r["g"], (sj, slice(None)))
+            bj = load_qk(r["k"], (sj, slice(None)), cfg, False) * jnp.exp(
+                suffix_rows(gj) + e[None, :])
+            r["tmat"][si, sj] = bi * mm_nt(ai, bj, low)
+            r["p"][si, sj] = mm_nt(aq, bj, low)
+            if j:
+                e = e + jnp.sum(gj, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -874,83 +950,121 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
     r["dbeta"][:] = dbeta.astype(r["dbeta"].dtype)
 
 
+def channel_diag_bwd_kernel(r, cfg: KernelCfg):
+    """K4d (channel gate): the exact pairwise terms of one 16-row diagonal block of A and P,
+    grid (chunks x blocks, B, H), added in place to K4's dense dq, dk and dbeta; the gate's
+    part is reverse-summed within the block and added to K4's dg, and its block total (which
+    reaches every earlier block of the chunk) goes to `dtot` for K4b. The diagonal of P (an
+    empty segment) gives gradients to q and k and none to the gate. One program per block for
+    the reason given at `channel_diag_fwd_kernel`.
+    """
+    all_ = (slice(None), slice(None))
+    k = load_qk(r["k"], all_, cfg, False)
+    q = load_qk(r["q"], all_, cfg, True)
+    dp, dm = load_f32(r["dp_d"], all_), load_f32(r["dm_d"], all_)
+    beta = load_f32(r["beta"], slice(None))
+    (a,), ((dqd, dkd), dkc, dgd) = diag_pairs(
+        *block_rows(r, cfg, 0), SUB, cfg.K, fwd=((k, True),),
+        bwd=((q, dp), (k, beta[:, None] * dm)), unroll=True)
+    dpd = jnp.sum(jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), dp, 0.0),
+                  axis=1)[:, None]
+    r["dq"][:, :] = load_f32(r["dq_in"], all_) + dqd + dpd * k
+    r["dk"][:, :] = load_f32(r["dk_in"], all_) + dkd + dkc + dpd * q
+    r["dg"][:, :] = load_f32(r["dg_in"], all_) + rev_cumsum_rows(dgd)
+    r["db"][:] = load_f32(r["db_in"], slice(None)) + jnp.sum(dm * a, axis=1)
+    r["dtot"][:] = jnp.sum(dgd, axis=0)
+
+
 def intra_bwd_channel_kernel(r, cfg: KernelCfg):
-    """Channel gate: pairwise terms of A and P by sub-blocks, then dq, dk, dg, dbeta."""
-    C, low = cfg.C, cfg.low
+    """K4b (channel gate): the off-diagonal pairwise terms of A and P by 16-row blocks, then
+    dq, dk, dg and dbeta of the chunk, added to K4's dense parts and K4d's diagonal ones.
+
+    One block b at a time, last to first, so that only its accumulators (dq_b, dk_b, dG_b) and
+    one pair's operands are live: the pairs (b, j < b) give the row (later end) terms, the
+    pairs (i > b, b) the column (earlier end) terms; the factors of a pair are formed on each
+    side where used (exps are cheap next to spilled registers).
+    dg_b = reverse cumsum of dG_b within the block + the later blocks' pairwise dG totals
+    (carried, K4d's included) + the dense and diagonal parts already in dg_p.
+    """
+    C, K, low = cfg.C, cfg.K, cfg.low
     nb = C // SUB
-    ks, qs, kraw, qraw, bs = [], [], [], [], []
-    dq, dk, dG, dgd, dbeta = [], [], [], [], []
-    for b in range(nb):
-        sl = (pl.ds(b * SUB, SUB), slice(None))
-        qr = load_f32(r["q"], sl)
-        kr = load_f32(r["k"], sl)
-        qraw.append(qr)
-        kraw.append(kr)
-        qs.append((l2n(qr) if cfg.normalize else qr) * cfg.scale)
-        ks.append(l2n(kr) if cfg.normalize else kr)
-        bs.append(load_f32(r["beta"], pl.ds(b * SUB, SUB)))
-        dq.append(load_f32(r["dq_p"], sl))
-        dk.append(load_f32(r["dk_p"], sl))
-        dgd.append(load_f32(r["dg_p"], sl))
-        dG.append(jnp.zeros((SUB, cfg.K), F32))
-        dbeta.append(load_f32(r["db_p"], pl.ds(b * SUB, SUB)))
-    gs, _ = gate_blocks(r, cfg, nb)
-    fx, fy = channel_factors(gs)
+    rows = iota((SUB, K), 0)
 
-    for i in range(nb):
-        si = pl.ds(i * SUB, SUB)
-        fi = fx[i]
-        ai, aq = ks[i] * fi, qs[i] * fi
-        for j in range(i + 1):
-            sj = pl.ds(j * SUB, SUB)
-            dp = load_f32(r["dp"], (si, sj))
-            dm = load_f32(r["dm"], (si, sj))
-            if j < i:
-                fj = fy(i, j)
-                bj = ks[j] * fj
-                a = mm_nt(ai, bj, low)
-                dbeta[i] = dbeta[i] + jnp.sum(dm * a, axis=1)
-                da = bs[i][:, None] * dm
-                # Rows (later end): P and A parts; columns (earlier end).
-                dqi = mm(dp, bj, low) * fi
-                dki = mm(da, bj, low) * fi
-                dkj = (mm_tn(dp, aq, low) + mm_tn(da, ai, low)) * fj
-                dq[i] = dq[i] + dqi
-                dk[i] = dk[i] + dki
-                dk[j] = dk[j] + dkj
-                dG[i] = dG[i] + qs[i] * dqi + ks[i] * dki
-                dG[j] = dG[j] - ks[j] * dkj
-            else:
-                da = bs[i][:, None] * dm
-                (a,), ((dqi, dkj_p, dgp), (dki, dkj_a, dga)) = diag_pairs(
-                    *block_rows(r, cfg, i), SUB, cfg.K, fwd=((ks[i], True),),
-                    bwd=((qs[i], dp), (ks[i], da)))
-                dbeta[i] = dbeta[i] + jnp.sum(dm * a, axis=1)
-                # The diagonal of P (empty segment): gradients to q and k, none to the gate.
-                dpd = jnp.sum(jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), dp, 0.0),
-                              axis=1)
-                dq[i] = dq[i] + dqi + dpd[:, None] * ks[i]
-                dk[i] = dk[i] + dki + dkj_p + dkj_a + dpd[:, None] * qs[i]
-                dG[i] = dG[i] + dgp + dga
+    def blk(b):
+        return (pl.ds(b * SUB, SUB), slice(None))
 
-    # dg = (dense part, already summed) + reverse cumulative sum of the pairwise dG.
-    tot = None
-    dg = [None] * nb
-    for i in range(nb - 1, -1, -1):
-        blk = rev_cumsum_rows(dG[i])
-        if tot is not None:
-            blk = blk + tot[None, :]
-        dg[i] = blk + dgd[i]
-        s = jnp.sum(dG[i], axis=0)
-        tot = s if tot is None else tot + s
-    for i in range(nb):
-        sl = (pl.ds(i * SUB, SUB), slice(None))
-        dqi = dq[i] * cfg.scale
-        dki = dk[i]
+    def pair(name, i, j):
+        return load_f32(r[name], (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
+
+    def k_(b):
+        return load_qk(r["k"], blk(b), cfg, False)
+
+    def q_(b):
+        return load_qk(r["q"], blk(b), cfg, True)
+
+    def g_(b):
+        return load_f32(r["g"], blk(b))
+
+    def fx(g):          # exp(sum_{r < l <= i} g_l), r the block's first row
+        return jnp.exp(jnp.cumsum(jnp.where(rows > 0, g, 0.0), axis=0))
+
+    def beta_(b):
+        return load_f32(r["beta"], pl.ds(b * SUB, SUB))
+
+    later = None        # sum over the blocks after b of their pairwise dG rows
+    for b in range(nb - 1, -1, -1):
+        sb = blk(b)
+        dq = load_f32(r["dq_p"], sb)
+        dk = load_f32(r["dk_p"], sb)
+        dbeta = load_f32(r["db_p"], pl.ds(b * SUB, SUB))
+        dG = jnp.zeros((SUB, K), F32)
+
+        # Row side: pairs (b, j), j < b.
+        if b:
+            beta_b = beta_(b)[:, None]
+            gb = g_(b)
+            fb = fx(gb)
+            ab, aq = k_(b) * fb, q_(b) * fb
+            e = row(gb, 0)
+            for j in range(b - 1, -1, -1):
+                gj = g_(j)
+                bj = k_(j) * jnp.exp(suffix_rows(gj) + e[None, :])
+                if j:
+                    e = e + jnp.sum(gj, axis=0)
+                dm = pair("dm", b, j)
+                dbeta = dbeta + jnp.sum(dm * mm_nt(ab, bj, low), axis=1)
+                dqi = mm(pair("dp", b, j), bj, low) * fb
+                dki = mm(beta_b * dm, bj, low) * fb
+                dq = dq + dqi
+                dk = dk + dki
+                dG = dG + q_(b) * dqi + k_(b) * dki
+
+        # Column side: pairs (i, b), i > b.
+        if b < nb - 1:
+            sufb = suffix_rows(g_(b))
+            e = None
+            for i in range(b + 1, nb):
+                gi = g_(i)
+                ei = row(gi, 0) if e is None else e + row(gi, 0)
+                fy = jnp.exp(sufb + ei[None, :])
+                e = jnp.sum(gi, axis=0) if e is None else e + jnp.sum(gi, axis=0)
+                fi = fx(gi)
+                da = beta_(i)[:, None] * pair("dm", i, b)
+                dkj = (mm_tn(pair("dp", i, b), q_(i) * fi, low)
+                       + mm_tn(da, k_(i) * fi, low)) * fy
+                dk = dk + dkj
+                dG = dG - k_(b) * dkj
+
+        dg = rev_cumsum_rows(dG) + load_f32(r["dg_p"], sb)
+        if later is not None:
+            dg = dg + later[None, :]
+        tot = jnp.sum(dG, axis=0) + load_f32(r["dtot"], (b, slice(None)))
+        later = tot if later is None else later + tot
+        dq = dq * cfg.scale
         if cfg.normalize:
-            dqi = l2n_vjp(qraw[i], dqi)
-            dki = l2n_vjp(kraw[i], dki)
-        r["dq"][sl] = dqi.astype(r["dq"].dtype)
-        r["dk"][sl] = dki.astype(r["dk"].dtype)
-        r["dg"][sl] = dg[i].astype(r["dg"].dtype)
-        r["dbeta"][pl.ds(i * SUB, SUB)] = dbeta[i].astype(r["dbeta"].dtype)
+            dq = l2n_vjp(load_f32(r["q"], sb), dq)
+            dk = l2n_vjp(load_f32(r["k"], sb), dk)
+        r["dq"][sb] = dq.astype(r["dq"].dtype)
+        r["dk"][sb] = dk.astype(r["dk"].dtype)
+        r["dg"][sb] = dg.astype(r["dg"].dtype)
+        r["dbeta"][pl.ds(b * SUB, SUB)] = dbeta.astype(r["dbeta"].dtype)
