@@ -403,6 +403,11 @@ TUNE = {
     "split_intra_subst1": dict(split_intra=True, diag_inverse="substitution",
                                num_warps_solve=1),
     "split_bwd_s3": dict(split_state_bwd=True, num_stages_state=3),
+    # KDA's diagonal-block kernels (K1d, K4d), one program per 16-row block
+    "diag_w1": dict(num_warps_diag=1),
+    "diag_w4": dict(num_warps_diag=4),
+    "diag_w4_bwd_w8": dict(num_warps_diag=4, num_warps_bwd=8),
+    "diag_w2_bwd_w8_intra_w2": dict(num_warps_bwd=8, num_warps_intra=2),
     "split_bwd_bv32_s3": dict(split_state_bwd=True, block_v=32, num_stages_state=3),
     "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),
     "combo_bv32": dict(split_intra=True, num_stages_state=3, split_state_bwd=True, block_v=32),
@@ -448,7 +453,7 @@ def tune_op(shape, op):
 # Which kernels a TUNE entry changes: the stage timings of a variant time only those (the
 # others would repeat the default's), on the default's intermediate results.
 STAGE_NAMES = ("K1 intra fwd", "K2 state fwd (+output)", "K3 state bwd", "K4 intra bwd")
-AFFECTS = (("split_intra", (0,)), ("split_bwd", (1, 2)), ("intra", (0,)), ("out", (1,)),
+AFFECTS = (("diag", (0, 3)), ("split_intra", (0,)), ("split_bwd", (1, 2)), ("intra", (0,)), ("out", (1,)),
            ("state", (1, 2)), ("bwd", (3,)))
 
 
@@ -511,6 +516,67 @@ def stages(shape):
                 log(f"[stages] {key} {op} {variant} ERROR {type(e).__name__}: {str(e)[:1500]}")
                 traceback.print_exc()
             save()
+
+
+def kernels(shape):
+    """Time of every Pallas kernel of one fwd+bwd, each launched alone (STAGES_VARIANT: the
+    block sizes, default "default"). The calls are recorded while the op is traced, then each
+    is re-run under jit on fresh inputs of the recorded shapes (small negative floats, so that
+    gates decay; the kernels have no data-dependent control flow, so the data does not change
+    their time)."""
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    variant = os.environ.get("STAGES_VARIANT", "default").split(",")[0]
+    res = RESULTS.setdefault("kernels", {}).setdefault(key, {}).setdefault(variant, {})
+    real = gpu._call
+    for op in OPS:
+        recorded = []
+
+        def record(body, grid, ins, outs, **kw):
+            recorded.append((body, grid, [(n, jax.ShapeDtypeStruct(a.shape, a.dtype), s)
+                                          for n, a, s in ins], outs, kw))
+            return real(body, grid, ins, outs, **kw)
+
+        q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
+        gpu._call = record
+        try:
+            bs = gpu.GpuBlockSizes(**TUNE[variant])
+
+            def fwd(q, k, v, beta, g):
+                return gpu.chunk_delta_family_gpu(q, k, v, beta, g, scale=1.0 / math.sqrt(D),
+                                                  chunk_size=64, interpret=INTERPRET or None,
+                                                  block_sizes=bs)[0]
+
+            jax.jit(lambda *a: jax.vjp(fwd, *a[:5])[1](a[5])).lower(q, k, v, beta, g, do)
+        except Exception as e:  # noqa: BLE001
+            log(f"[kernels] {key} {op} ERROR {type(e).__name__}: {str(e)[:800]}")
+            continue
+        finally:
+            gpu._call = real
+        times, seen = {}, set()
+        for i, (body, grid, ins, outs, kw) in enumerate(recorded):
+            # the forward is traced twice (primal and custom_vjp fwd): time each kernel once
+            sig = (kw["name"], grid, tuple((n, sd.shape) for n, sd, _ in ins))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            name = f"{len(seen)}:{kw['name']}"
+            try:
+                rng = np.random.default_rng(i)
+                arrays = [jnp.asarray(-0.1 * rng.random(sd.shape), sd.dtype)
+                          if jnp.issubdtype(sd.dtype, jnp.floating)
+                          else jnp.zeros(sd.shape, sd.dtype) for _, sd, _ in ins]
+                f = jax.jit(lambda *xs, body=body, grid=grid, ins=ins, outs=outs, kw=kw: real(
+                    body, grid, [(n, x, s) for (n, _, s), x in zip(ins, xs)], outs, **kw))
+                times[name] = time_jax(f, *arrays)
+            except Exception as e:  # noqa: BLE001
+                times[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+        res[op] = times
+        total = sum(t for t in times.values() if isinstance(t, float))
+        log(f"[kernels] {key} {op} {variant}: sum {total:.3f} ms")
+        for name, t in times.items():
+            log(f"    {name:34s} {t:8.3f} ms" if isinstance(t, float) else f"    {name} {t}")
+        save()
 
 
 def probe(shape):
@@ -660,6 +726,8 @@ def main():
         tune(SHAPES[0])
     if "stages" in PARTS and SHAPES:
         stages(SHAPES[0])
+    if "kernels" in PARTS and SHAPES:
+        kernels(SHAPES[0])
     if "probe" in PARTS and SHAPES:
         probe(SHAPES[0])
     if "fla_profile" in PARTS and SHAPES:

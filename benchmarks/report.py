@@ -83,6 +83,12 @@ def table(results) -> str:
                   "| --- | " + " | ".join("---" for _ in names) + " |"]
         for op, stages in ops.items():
             lines.append(f"| {op} | " + " | ".join(f"{stages[n]:.3f}" for n in names) + " |")
+    for shape, runs in results.get("kernels_ms", {}).items():
+        lines += ["", f"Every kernel of one forward+backward at {shape.replace('x', ',')}, each "
+                  "launched alone (`PARTS=kernels`, ms):", ""]
+        for run, kernels in runs.items():
+            lines.append(f"- {run} (sum {sum(kernels.values()):.3f}): "
+                         + ", ".join(f"{name} {t:.3f}" for name, t in kernels.items()))
     for shape, ops in results.get("fla_profile_fwd_bwd_ms", {}).items():
         lines += ["", f"fla's kernels in one forward+backward at {shape.replace('x', ',')} "
                   "(torch.profiler, ms per call):", ""]
