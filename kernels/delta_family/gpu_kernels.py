@@ -365,8 +365,7 @@ def channel_factors(gs):
     both are direct segment sums (block-local cumsums, exact suffix sums, block totals), never
     differences of chunk-level cumulative sums.
     """
-    rows = iota(gs[0].shape, 0)
-    fx = [jnp.exp(jnp.cumsum(jnp.where(rows > 0, g, 0.0), axis=0)) for g in gs]
+    fx = [block_decay(g) for g in gs]
     suf = [suffix_rows(g) for g in gs]
     tot = [jnp.sum(g, axis=0) for g in gs]
     g0 = [row(g, 0) for g in gs]
@@ -378,6 +377,25 @@ def channel_factors(gs):
         return jnp.exp(suf[j] + e[None, :])
 
     return fx, fy
+
+
+def block_decay(g):
+    """exp(sum_{r < l <= i} g_l) over the rows i of one 16-row block of [16, K] gates, r the
+    block's first row: the later end's factor of a factored off-diagonal pair."""
+    return jnp.exp(jnp.cumsum(jnp.where(iota(g.shape, 0) > 0, g, 0.0), axis=0))
+
+
+def earlier_blocks(r, cfg, i, gi):
+    """The earlier end of block row i's off-diagonal pairs, j = i - 1 down to 0: yields
+    (j, k_j * exp(suffix_j + e)), e the gate from block j's end to block i's first row, summed
+    going back from the diagonal (as `channel_factors`' fy, loaded where used)."""
+    e = row(gi, 0)
+    for j in range(i - 1, -1, -1):
+        gj = load_f32(r["g"], (pl.ds(j * SUB, SUB), slice(None)))
+        yield j, load_qk(r["k"], (pl.ds(j * SUB, SUB), slice(None)), cfg, False) * jnp.exp(
+            suffix_rows(gj) + e[None, :])
+        if j:
+            e = e + jnp.sum(gj, axis=0)
 
 
 def chunk_gates(g, gate):
@@ -575,10 +593,11 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     """K1d (channel gate): one 16-row diagonal block of M = diag(beta) A and of P, by exact
     pairwise decays (`diag_pairs`), grid (chunks x blocks, B, H).
 
-    The pairwise terms are a serial chain of 16 column steps; with one program per block (as
-    fla's token-parallel kernel) four times as many short programs run at once as with one
-    per chunk, where the chains of a chunk's four blocks ran one after another (measured on an
-    H100, B4 T4096 H16 D128: K1 2.6-3.6 ms, almost all of it these chains).
+    The pairwise terms are a serial chain of 16 column steps; with one program per block
+    four times as many short programs run at once as with one per chunk, where the chains of
+    a chunk's four blocks ran one after another (H100, B4 T4096 H16 D128: the whole K1 3.65
+    ms before the split, 2.86 after; this kernel alone 1.21 ms at 4 warps, still the largest
+    part of K1, so the next step is fla's one program per token).
     """
     all_ = (slice(None), slice(None))
     k = load_qk(r["k"], all_, cfg, False)
@@ -601,9 +620,7 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
     block j is exp(suffix_j + e), e the gate from row j's block end to that first row, summed
     going back from the diagonal.
     """
-    C, K, low = cfg.C, cfg.K, cfg.low
-    nb = C // SUB
-    rows = iota((SUB, K), 0)
+    nb, low = cfg.C // SUB, cfg.low
     zero = jnp.zeros((SUB, SUB), F32)
     for i in range(nb):
         si = pl.ds(i * SUB, SUB)
@@ -612,20 +629,14 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
         if not i:
             continue
         gi = load_f32(r["g"], (si, slice(None)))
-        fxi = jnp.exp(jnp.cumsum(jnp.where(rows > 0, gi, 0.0), axis=0))
+        fxi = block_decay(gi)
         ai = load_qk(r["k"], (si, slice(None)), cfg, False) * fxi
         aq = load_qk(r["q"], (si, slice(None)), cfg, True) * fxi
         bi = load_f32(r["beta"], si)[:, None]
-        e = row(gi, 0)
-        for j in range(i - 1, -1, -1):
+        for j, bj in earlier_blocks(r, cfg, i, gi):
             sj = pl.ds(j * SUB, SUB)
-            gj = load_f32(r["g"], (sj, slice(None)))
-            bj = load_qk(r["k"], (sj, slice(None)), cfg, False) * jnp.exp(
-                suffix_rows(gj) + e[None, :])
             r["tmat"][si, sj] = bi * mm_nt(ai, bj, low)
             r["p"][si, sj] = mm_nt(aq, bj, low)
-            if j:
-                e = e + jnp.sum(gj, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -988,7 +999,6 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
     """
     C, K, low = cfg.C, cfg.K, cfg.low
     nb = C // SUB
-    rows = iota((SUB, K), 0)
 
     def blk(b):
         return (pl.ds(b * SUB, SUB), slice(None))
@@ -1005,9 +1015,6 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
     def g_(b):
         return load_f32(r["g"], blk(b))
 
-    def fx(g):          # exp(sum_{r < l <= i} g_l), r the block's first row
-        return jnp.exp(jnp.cumsum(jnp.where(rows > 0, g, 0.0), axis=0))
-
     def beta_(b):
         return load_f32(r["beta"], pl.ds(b * SUB, SUB))
 
@@ -1023,14 +1030,9 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
         if b:
             beta_b = beta_(b)[:, None]
             gb = g_(b)
-            fb = fx(gb)
+            fb = block_decay(gb)
             ab, aq = k_(b) * fb, q_(b) * fb
-            e = row(gb, 0)
-            for j in range(b - 1, -1, -1):
-                gj = g_(j)
-                bj = k_(j) * jnp.exp(suffix_rows(gj) + e[None, :])
-                if j:
-                    e = e + jnp.sum(gj, axis=0)
+            for j, bj in earlier_blocks(r, cfg, b, gb):
                 dm = pair("dm", b, j)
                 dbeta = dbeta + jnp.sum(dm * mm_nt(ab, bj, low), axis=1)
                 dqi = mm(pair("dp", b, j), bj, low) * fb
@@ -1048,7 +1050,7 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
                 ei = row(gi, 0) if e is None else e + row(gi, 0)
                 fy = jnp.exp(sufb + ei[None, :])
                 e = jnp.sum(gi, axis=0) if e is None else e + jnp.sum(gi, axis=0)
-                fi = fx(gi)
+                fi = block_decay(gi)
                 da = beta_(i)[:, None] * pair("dm", i, b)
                 dkj = (mm_tn(pair("dp", i, b), q_(i) * fi, low)
                        + mm_tn(da, k_(i) * fi, low)) * fy
