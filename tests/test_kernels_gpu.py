@@ -107,6 +107,16 @@ def test_f32_extreme_gates(gate, strength):
     check_all(args, w, 1e-5)
 
 
+@pytest.mark.parametrize("strength", ["normal", "extreme"])
+def test_channel_pieces_and_head_groups(strength):
+    """KDA at chunk 64 (four 16-row blocks: six factored off-diagonal block pairs) with the pair
+    kernels' K in two pieces and two heads per diagonal-block program (two head groups)."""
+    args, w = make(21, gate="channel", strength=strength, K=32, V=16, T_=99, H_=4)
+    check_all(args, w, 1e-5, chunk_size=64,
+              block_sizes=GpuBlockSizes(block_k_pairs=16, block_k_pairs_bwd=16,
+                                        diag_heads=2))
+
+
 def test_f32_no_initial_state_chunk32_and_no_beta():
     args, w = make(2, gate="scalar", T_=45, K=32, V=16)
     q, k, v, beta, g, _ = args
@@ -360,6 +370,12 @@ def test_validation_errors():
         f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_warps_solve=3))
     with pytest.raises(ValueError, match="num_stages_state"):
         f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_stages_state=0))
+    with pytest.raises(ValueError, match="diag_heads"):
+        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(diag_heads=3))
+    with pytest.raises(ValueError, match="block_k_pairs_bwd"):
+        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(block_k_pairs_bwd=8))
+    with pytest.raises(ValueError, match="num_warps_pairs"):
+        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_warps_pairs=0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks
                       as Neumann products for bf16, by substitution for float32), W, U0
                       (+ P for KDA); by default split (split_intra): K1a the inverse T on
                       few warps, K1b W, U0 = T X, T Y; for KDA A and P come first from K1d
-                      (diagonal 16x16 blocks, grid (NT * C/16, B, H)) and K1p (the others)
+                      (diagonal 16x16 blocks, one token and a few heads per program, grid
+                      (Tp, H/bh, B)) and K1p (the others, in pieces of K columns), and K1b
+                      also stores the state passes' gated operands Gam q, exp(G_C - G) k and
+                      exp(G_C)
             K2 state  grid (NS, H, V/BV): sequential over chunks; lean (default): only
                       U = U0 - W S (stored, "v_new"), the state update and h per chunk, two
                       dots per chunk on the sequential path; fused (fuse_output=True): also
@@ -27,7 +30,7 @@ Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks
                       split_state_bwd=True, K3a grid (V/BVo, NT, B, H) first computes
                       dU_local = P^T dO in parallel and K3 adds the state's part in place
             K4 intra  grid (NT, B, H): dq, dk, dv, dbeta, dg (KDA: the dense part, then
-                      K4d for the diagonal blocks, one program per block, and K4b for the
+                      K4d for the diagonal blocks, one token per program, and K4b for the
                       off-diagonal ones)
 Plain XLA glue: padding T to a multiple of C and the packed-varlen layout (each sequence starts
 on a chunk boundary, so no state crosses a boundary; sequences are chunk ranges of the state
@@ -100,17 +103,28 @@ class GpuBlockSizes:
                    per chunk ((exp(G_C - G) k) dS, (Gam q)^T dO, W^T dU) with no P on its
                    sequential path; False: one reverse pass that also recomputes P and P^T dO
                    per chunk. Default: split for the scalar gate (faster on an H100), one pass
-                   for no gate (equal or faster) and the channel gate (not timed split).
+                   for no gate (equal or faster) and the channel gate (H100, B4 T4096 H16
+                   D128: one pass 0.46 ms against 0.13 + 0.52 split).
     split_intra:   True (default): K1 as two kernels, as fla splits it: K1a (num_warps_solve
                    warps) forms A and its blocked inverse T, stored in float32; K1b
                    (num_warps_intra warps) reads T back and forms W, U0 as whole-chunk dots.
                    The 16x16 steps of the inverse then run on fewer warps than the [C, K] dots
                    want. For the channel gate A (and P) come first from K1d (diagonal blocks,
-                   one program per block) and K1p (the other blocks). False: one kernel.
+                   one program per token) and K1p (the other blocks). False: one kernel.
     num_warps_solve: warps of K1a (None: 2).
     num_warps_diag: warps of the channel gate's diagonal-block kernels K1d and K4d, one
-                   program per 16-row block (None: 4; H100, B4 T4096 H16 D128: K1d 1.21
-                   ms vs 1.37 at 2, K4d 2.86 vs 4.65).
+                   program per token and diag_heads heads (None: 1).
+    diag_heads:    heads per K1d / K4d program (None: 4), a power of two; programs take the
+                   largest power of two dividing H up to it. H100, B4 T4096 H16 D128 bf16:
+                   K1d 0.33 ms and K4d 0.87 at 4 heads on 1 warp; 1 to 16 heads on 1 to 4
+                   warps all within 15% (one program per 16-row block before: 1.21 and 2.86).
+    block_k_pairs: K columns per piece of the channel gate's off-diagonal pair kernel K1p
+                   (None: 128; a power of two >= 16, capped at K; the whole row with in-kernel
+                   q/k normalisation).
+    block_k_pairs_bwd: the same for its backward K4b (None: 64).
+    num_warps_pairs: warps of K1p and K4b (None: 4). H100, B4 T4096 H16 D128 bf16: K1p 0.39 ms
+                   at 128 columns and 4 warps (0.45 at 64, 0.55 on 8 warps); K4b 1.61 at 64
+                   columns and 4 warps, 1.65 at 128 on 8, 1.99 at 128 on 4.
     diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
                    Neumann series as three squarings and three products on tensor cores) or
                    "substitution" (forward substitution, a serial chain of 15 row steps, which
@@ -137,6 +151,10 @@ class GpuBlockSizes:
     split_intra: bool | None = None
     num_warps_solve: int | None = None
     num_warps_diag: int | None = None
+    diag_heads: int | None = None
+    block_k_pairs: int | None = None
+    block_k_pairs_bwd: int | None = None
+    num_warps_pairs: int | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -201,7 +219,11 @@ class GpuBlockSizes:
                              else self.split_state_bwd),
             split_intra=split_intra,
             num_warps_solve=_given(self.num_warps_solve, 2),
-            num_warps_diag=_given(self.num_warps_diag, 4))
+            num_warps_diag=_given(self.num_warps_diag, 1),
+            diag_heads=_given(self.diag_heads, 4),
+            block_k_pairs=_given(self.block_k_pairs, 128),
+            block_k_pairs_bwd=_given(self.block_k_pairs_bwd, 64),
+            num_warps_pairs=_given(self.num_warps_pairs, 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,11 +331,20 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two >= 16 "
                              f"dividing V = {V}; got {b!r}.")
     for name in ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
-                 "num_warps_out", "num_warps_diag"):
+                 "num_warps_out", "num_warps_diag", "num_warps_pairs"):
         w = getattr(bs, name)
         if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from "
                              f"1 to 32 (warps per program); got {w!r}.")
+    for name in ("block_k_pairs", "block_k_pairs_bwd"):
+        b = getattr(bs, name)
+        if not _is_int(b) or b < 16 or b & (b - 1):
+            raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two "
+                             f">= 16 (K columns per piece); got {b!r}.")
+    d = bs.diag_heads
+    if not _is_int(d) or d < 1 or d & (d - 1):
+        raise ValueError(f"{_FN}: argument `block_sizes.diag_heads` must be a power of two >= 1 "
+                         f"(heads per diagonal-block program); got {d!r}.")
     for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd"):
         n = getattr(bs, name)
         if not _is_int(n) or n < 1:
@@ -375,17 +406,26 @@ def _chunk_specs(C):
     return rows, vec
 
 
-def _subblock_specs(C):
-    """BlockSpecs of the per-16-row-block kernels (channel gate), grid (NT * C / 16, B, H):
-    rows(d) of one block, its per-token scalars, and its diagonal 16x16 block of a [C, C]
-    per-chunk matrix."""
-    nb = C // gk.SUB
+def _token_specs(C, bh):
+    """BlockSpecs of the per-token kernels (channel gate), grid (Tp, H / bh, B): block(d) the
+    token's 16-row sub-block [16, bh, d] for bh heads, bvec its per-token scalars [16, bh],
+    row(d) the token's own row [bh, d], rvec its scalar [bh], drow its row of the sub-block's
+    diagonal 16x16 block of a [C, C] per-chunk matrix [bh, 16] and dblock that block
+    [16, bh, 16]."""
+    S, nb = gk.SUB, C // gk.SUB
 
-    def rows(d):
-        return pl.BlockSpec((None, gk.SUB, None, d), lambda n, b, h: (b, n, h, 0))
-    vec = pl.BlockSpec((None, gk.SUB, None), lambda n, b, h: (b, n, h))
-    diag = pl.BlockSpec((None, gk.SUB, None, gk.SUB), lambda n, b, h: (b, n, h, n % nb))
-    return rows, vec, diag
+    def block(d):
+        return pl.BlockSpec((None, S, bh, d), lambda t, h, b: (b, t // S, h, 0))
+
+    def row(d):
+        return pl.BlockSpec((None, None, bh, d), lambda t, h, b: (b, t, h, 0))
+
+    return dict(
+        block=block, row=row,
+        bvec=pl.BlockSpec((None, S, bh), lambda t, h, b: (b, t // S, h)),
+        rvec=pl.BlockSpec((None, None, bh), lambda t, h, b: (b, t, h)),
+        drow=pl.BlockSpec((None, None, bh, S), lambda t, h, b: (b, t, h, (t // S) % nb)),
+        dblock=pl.BlockSpec((None, S, bh, S), lambda t, h, b: (b, t // S, h, (t // S) % nb)))
 
 
 def _vblock_specs(C, bv):
@@ -413,6 +453,16 @@ def _seq_specs(st, Tp, NT):
     hs = pl.BlockSpec((None, NT, None, kc.K, bv), lambda s, h, j: (0 if var else s, 0, h, 0, j))
     offs = pl.BlockSpec((st.n_seq + 1,), lambda s, h, j: (0,))
     return full, vblk, vec, state, hs, offs
+
+
+def _gated_seq_ins(st, r, Tp, NT):
+    """The channel gate's K1b-stored state-pass operands (cfg.pre_gates) for the sequential
+    kernels: Gam q, exp(G_C - G) k and exp(G_C) per chunk."""
+    K = st.kc.K
+    full = _seq_specs(st, Tp, NT)[0]
+    gend = pl.BlockSpec((None, NT, None, K),
+                        lambda s, h, j: (0 if st.kc.varlen else s, 0, h, 0))
+    return [("qg", r["qg"], full(K)), ("kg", r["kg"], full(K)), ("gend", r["gend"], gend)]
 
 
 def _inter_dtype(bs, dtype):
@@ -464,18 +514,20 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
     tmat = ("tmat", _sds((B, Tp, H, C), F32), rows(C))
     solve_ins = [x for x in ins if x[0] != "v"]
     if kc.gate == "channel":
-        # K1d: the diagonal 16x16 blocks of M and P, one program per block; K1p: the other
+        # K1d: the diagonal 16x16 blocks of M and P, one program per token; K1p: the other
         # blocks around them (in place); the solve then overwrites M with T in place.
-        nb = C // gk.SUB
-        r16, v16, diag16 = _subblock_specs(C)
-        d = _call(functools.partial(gk.channel_diag_fwd_kernel, cfg=kc), (NT * nb, B, H),
-                  [(n, a, r16(kc.K) if n != "beta" else v16) for n, a, _ in solve_ins],
-                  [("tmat", tmat[1], diag16), ("p", tmat[1], diag16)], name="delta_intra_diag",
-                  num_warps=bs.num_warps_diag, num_stages=1, interpret=st.interpret)
+        bh = math.gcd(bs.diag_heads, H)
+        ts = _token_specs(C, bh)
+        d = _call(functools.partial(gk.channel_diag_fwd_kernel, cfg=kc), (Tp, H // bh, B),
+                  [(n, a, ts["block"](kc.K) if n != "beta" else ts["bvec"])
+                   for n, a, _ in solve_ins],
+                  [("tmat", tmat[1], ts["drow"]), ("p", tmat[1], ts["drow"])],
+                  name="delta_intra_diag", num_warps=bs.num_warps_diag, num_stages=1,
+                  interpret=st.interpret)
         r = _call(functools.partial(gk.channel_pairs_kernel, cfg=kc), (NT, B, H),
                   solve_ins + [("m_d", d["tmat"], rows(C)), ("p_d", d["p"], rows(C))],
                   [tmat, ("p", tmat[1], rows(C))], name="delta_intra_pairs",
-                  num_warps=bs.num_warps_intra, num_stages=1, interpret=st.interpret,
+                  num_warps=bs.num_warps_pairs, num_stages=1, interpret=st.interpret,
                   aliases={"m_d": "tmat", "p_d": "p"})
         solve_ins = [x for x in ins if x[0] == "beta"] + [("m", r["tmat"], rows(C))]
         r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True,
@@ -487,7 +539,13 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
         r = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
                   (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
                   num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret)
-    wu_ins = [x for x in ins if x[0] != "q"] + [("tmat", r["tmat"], rows(C))]
+    wu_ins = [x for x in ins if x[0] != "q" or kc.pre_gates] + [("tmat", r["tmat"], rows(C))]
+    if kc.pre_gates:
+        K = kc.K
+        outs = outs + [("qg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
+                       ("kg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
+                       ("gend", _sds((B, NT, H, K), F32),
+                        pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, n, h, 0)))]
     r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=False, part="wu"),
                    (NT, B, H), wu_ins, outs, name="delta_intra_wu",
                    num_warps=bs.num_warps_intra, num_stages=bs.num_stages_intra,
@@ -511,11 +569,15 @@ def _state_forward_lean(st: _Static, q, k, v, g, s0, offs, r1):
     NT = Tp // kc.C
     NS = st.n_seq
     full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
-    ins = [("k", k, full(K)), ("w", r1["w"], full(K)), ("u0", r1["u0"], vblk)]
-    if kc.gate == "scalar":
-        ins.append(("g", g, svec))
-    elif kc.gate == "channel":
-        ins.append(("g", g, full(K)))
+    ins = [("w", r1["w"], full(K)), ("u0", r1["u0"], vblk)]
+    if kc.pre_gates:
+        ins += _gated_seq_ins(st, r1, Tp, NT)[1:]
+    else:
+        ins.append(("k", k, full(K)))
+        if kc.gate == "scalar":
+            ins.append(("g", g, svec))
+        elif kc.gate == "channel":
+            ins.append(("g", g, full(K)))
     if kc.has_s0:
         ins.append(("s0", s0, state))
     if kc.varlen:
@@ -537,13 +599,16 @@ def _output(st: _Static, q, k, v, g, r1, r2):
     NT = Tp // C
     bvo = bs.block_v_out
     rows, vec, vrows = _vblock_specs(C, bvo)
-    ins = [("q", q, rows(K))]
-    if kc.gate != "channel":
-        ins.append(("k", k, rows(K)))
-    if kc.gate == "scalar":
-        ins.append(("g", g, vec))
-    elif kc.gate == "channel":
-        ins += [("g", g, rows(K)), ("p", r1["p"], rows(C))]
+    if kc.pre_gates:
+        ins = [("qg", r1["qg"], rows(K)), ("p", r1["p"], rows(C))]
+    else:
+        ins = [("q", q, rows(K))]
+        if kc.gate != "channel":
+            ins.append(("k", k, rows(K)))
+        if kc.gate == "scalar":
+            ins.append(("g", g, vec))
+        elif kc.gate == "channel":
+            ins += [("g", g, rows(K)), ("p", r1["p"], rows(C))]
     ins += [("h", r2["h"], pl.BlockSpec((None, None, None, K, bvo),
                                         lambda j, n, b, h: (b, n, h, 0, j))),
             ("vn", r2["vn"], vrows)]
@@ -567,6 +632,8 @@ def _state_forward_fused(st: _Static, q, k, v, g, s0, offs, r1, save):
         ins.append(("g", g, svec))
     elif kc.gate == "channel":
         ins += [("g", g, full(K)), ("p", r1["p"], full(kc.C))]
+    if kc.pre_gates:
+        ins += _gated_seq_ins(st, r1, Tp, NT)
     if kc.has_s0:
         ins.append(("s0", s0, state))
     if kc.varlen:
@@ -586,7 +653,7 @@ def _forward(st: _Static, q, k, v, beta, g, s0, offs, save):
     res = None
     if save:
         res = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"],
-                   vn=r2.get("vn"))
+                   vn=r2.get("vn"), qg=r1.get("qg"), kg=r1.get("kg"), gend=r1.get("gend"))
     return r2["o"], r2["sT"], res
 
 
@@ -630,6 +697,8 @@ def _state_backward(st: _Static, q, k, g, offs, res, do, dsT):
         ins.append(("g", g, full(K)))
         if not split:
             ins.append(("p", res["p"], full(kc.C)))
+    if kc.pre_gates:
+        ins += _gated_seq_ins(st, res, Tp, NT)
     ins.append(("do", do, vblk))
     if split:
         ins.append(("du_local", _du_local(st, q, k, g, res, do), vblk))
@@ -683,34 +752,34 @@ def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):
                name="delta_intra_bwd", num_warps=bs.num_warps_bwd,
                num_stages=bs.num_stages_bwd, interpret=st.interpret)
     if kc.gate == "channel":
-        # K4d: the diagonal blocks' pairwise terms, one program per block, added in place to
-        # K4's dense parts; K4b: the off-diagonal ones and the gate's reverse sum.
-        nb = C // gk.SUB
-        r16, v16, diag16 = _subblock_specs(C)
-        tot_spec = pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, n, h, 0))
-        d = _call(functools.partial(gk.channel_diag_bwd_kernel, cfg=kc), (NT * nb, B, H),
-                  [("q", q, r16(K)), ("k", k, r16(K)), ("g", g, r16(K)), ("beta", beta, v16),
-                   ("dp_d", r4["dp"], diag16), ("dm_d", r4["dm"], diag16),
-                   ("dq_in", r4["dq_p"], r16(K)), ("dk_in", r4["dk_p"], r16(K)),
-                   ("dg_in", r4["dg_p"], r16(K)), ("db_in", r4["db_p"], v16)],
-                  [("dq", _sds((B, Tp, H, K), F32), r16(K)),
-                   ("dk", _sds((B, Tp, H, K), F32), r16(K)),
-                   ("dg", _sds((B, Tp, H, K), F32), r16(K)), ("db", _sds((B, Tp, H), F32), v16),
-                   ("dtot", _sds((B, NT * nb, H, K), F32), tot_spec)],
+        # K4d: the diagonal blocks' pairwise terms, one program per token, added in place to
+        # K4's dense parts (the gate's part to its own buffer); K4b: the off-diagonal ones and
+        # the gate's reverse sum.
+        bh = math.gcd(bs.diag_heads, H)
+        ts = _token_specs(C, bh)
+        blk, row = ts["block"](K), ts["row"](K)
+        d = _call(functools.partial(gk.channel_diag_bwd_kernel, cfg=kc), (Tp, H // bh, B),
+                  [("q", q, blk), ("k", k, blk), ("g", g, blk), ("beta", beta, ts["bvec"]),
+                   ("dp_d", r4["dp"], ts["dblock"]), ("dm_d", r4["dm"], ts["dblock"]),
+                   ("dq_in", r4["dq_p"], row), ("dk_in", r4["dk_p"], row),
+                   ("db_in", r4["db_p"], ts["rvec"])],
+                  [("dq", _sds((B, Tp, H, K), F32), row), ("dk", _sds((B, Tp, H, K), F32), row),
+                   ("db", _sds((B, Tp, H), F32), ts["rvec"]),
+                   ("dgd", _sds((B, Tp, H, K), F32), row)],
                   name="delta_intra_bwd_diag", num_warps=bs.num_warps_diag, num_stages=1,
                   interpret=st.interpret,
-                  aliases={"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "db_in": "db"})
+                  aliases={"dq_in": "dq", "dk_in": "dk", "db_in": "db"})
         ins = [("q", q, rows(K)), ("k", k, rows(K)), ("beta", beta, vec), ("g", g, rows(K)),
                ("dq_p", d["dq"], rows(K)), ("dk_p", d["dk"], rows(K)),
-               ("dg_p", d["dg"], rows(K)), ("db_p", d["db"], vec),
+               ("dg_p", r4["dg_p"], rows(K)), ("db_p", d["db"], vec),
                ("dp", r4["dp"], rows(C)), ("dm", r4["dm"], rows(C)),
-               ("dtot", d["dtot"], pl.BlockSpec((None, nb, None, K),
-                                                lambda n, b, h: (b, n, h, 0)))]
+               ("dgd", d["dgd"], rows(K))]
         outs = [("dq", _sds(q.shape, q.dtype), rows(K)), ("dk", _sds(k.shape, k.dtype), rows(K)),
                 ("dg", _sds(g.shape, g.dtype), rows(K)),
                 ("dbeta", _sds(beta.shape, beta.dtype), vec)]
-        r5 = _call(functools.partial(gk.intra_bwd_channel_kernel, cfg=kc), (NT, B, H), ins,
-                   outs, name="delta_intra_bwd_kda", num_warps=bs.num_warps_bwd,
+        kc5 = dataclasses.replace(kc, block_k_pairs=bs.block_k_pairs_bwd)
+        r5 = _call(functools.partial(gk.intra_bwd_channel_kernel, cfg=kc5), (NT, B, H), ins,
+                   outs, name="delta_intra_bwd_kda", num_warps=bs.num_warps_pairs,
                    num_stages=bs.num_stages_bwd, interpret=st.interpret)
         r4.update(r5)
     return r4
@@ -836,7 +905,9 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       has_dsT=bool(output_final_state), store_h=False,
                       varlen=cu is not None, merge_dots=bs.merge_dots,
                       wide=bool(bs.wide_intra), interpret=interpret,
-                      diag_products=bs.diag_inverse == "products")
+                      diag_products=bs.diag_inverse == "products",
+                      block_k_pairs=bs.block_k_pairs,
+                      pre_gates=gate == "channel" and bool(bs.split_intra))
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 

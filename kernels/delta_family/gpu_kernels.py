@@ -4,9 +4,9 @@ Everything here runs inside a `pallas_call` and touches only the op subset the P
 lowering supports in jax 0.10 and 0.11 alike: 1-D/2-D arrays whose sizes are powers of two,
 `pl.ds` loads/stores, iota masks, `jnp.where`, `jnp.exp`, axis reductions, a forward
 `jnp.cumsum`, 2-D `lax.dot_general` with float32 accumulation, static Python loops and
-`lax.fori_loop`. No slicing of register values (the Triton lowering has no `slice`): sub-blocks
-are loaded from memory, rows are loaded ([1, K] blocks at a dynamic row) or extracted with
-masked reductions.
+`lax.fori_loop` (trip counts may depend on the program id). No slicing of register values (the
+Triton lowering has no `slice`): sub-blocks are loaded from memory, rows are loaded ([1, K]
+blocks at a dynamic row) or extracted with masked reductions.
 
 Per chunk of C tokens (row i = token i of the chunk), start state S [K, V] (float32), the
 inclusive chunk-local cumulative log-decay G_i = sum_{l <= i} g_l (float32) and Gam = exp(G):
@@ -22,8 +22,11 @@ Backward (dS' = gradient of the chunk's end state, from the reverse state pass):
 and per chunk, in parallel: dq, dk, dv, dbeta and dg. The gate gradient is assembled so that
 it stays accurate (1e-7 relative in float32) for gates of any strength, including padded rows:
   - every decay exp(sum_{j<l<=i} g_l) in the backward kernels is formed from a direct segment
-    sum (a cumsum of a masked [C, C] matrix, block-local cumsums, exact suffix sums), never as
-    a difference G_i - G_j of chunk cumulative sums, which loses |G| * eps absolutely;
+    sum (a cumsum of a masked [C, C] matrix, block-local cumsums, running sums from the
+    diagonal), never as a difference G_i - G_j of chunk cumulative sums, which loses |G| * eps
+    absolutely; the one difference is the in-block suffix of KDA's factored off-diagonal pairs
+    (`pair_factors`: at most 16 gates, exact on the row next to the block boundary, and its
+    rounding only reaches terms that are themselves exp(-|suffix|) small);
   - a pairwise term contributes +c to its later and -c to its earlier end before one reverse
     cumsum (pairs after s cancel, pairs that cross s remain); pairs with an empty segment (the
     diagonal of P) are left out; the end-state term exp(G_C - G_i) k_i reaches dg_s for s > i
@@ -32,7 +35,8 @@ it stays accurate (1e-7 relative in float32) for gates of any strength, includin
 Scalar gate and no gate: full [C, C] decay matrices. Channel gate (KDA): 16-row sub-blocks;
 off-diagonal blocks are factored through the first row r of the later block
 (exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0 for g <= 0, no overflow for any strength),
-diagonal blocks use exact pairwise masked exps, one column at a time.
+diagonal blocks use exact pairwise decays, one token (and a few heads) per program (K1d, K4d;
+the one-kernel K1 walks a block's columns instead).
 
 Precision: bf16 inputs use bf16 tensor-core dots with float32 accumulation (as fla); the
 triangular solve, gates, cumsums and states are float32. float32 inputs (and the solve) use
@@ -80,6 +84,8 @@ class KernelCfg:
     has_vn: bool = False   # K4: U = v_new stored by the lean state pass (else recomputed)
     interpret: bool = False  # interpret mode: no GPU barrier primitive
     diag_products: bool = False  # bf16: 16x16 diagonal inverses as a product of matmuls
+    block_k_pairs: int = 64      # K columns per piece of the off-diagonal pair kernels (K1p, K4b)
+    pre_gates: bool = False      # channel gate: K1b stores Gam q, exp(G_C - G) k and exp(G_C)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,63 +285,32 @@ def block_rows(r, cfg, b):
     return k_row, g_row
 
 
-def diag_pairs(y_row, g_row, n, K, fwd=(), bwd=(), unroll=False):
-    """Exact pairwise terms inside one diagonal sub-block (channel gate), all in one loop over
-    the columns j (descending) that shares each column's decays between the terms.
-
-    With seg_ijc = sum_{j < l <= i} g_lc and y_j = y_row(j) ([1, K]):
-      fwd: for each (x, strict): Z [n, n], Z_ij = sum_c x_ic y_jc exp(seg_ijc) for j < i
-           (strict) or j <= i;
-      bwd: for each (x, dz): the cotangents of the strict Z for the cotangent dz: dx per pair,
-           and dy and dG summed over the pairs (they share y), with dG_i += x_i dx_i (later
-           end) and dG_j -= y_j dy_j (earlier end).
+def diag_pairs(y_row, g_row, n, K, fwd):
+    """Exact pairwise terms inside one diagonal sub-block (channel gate) for the one-kernel K1,
+    one loop over the columns j (descending) that shares each column's decays between terms:
+    for each (x, strict) in fwd, Z [n, n] with Z_ij = sum_c x_ic y_jc exp(seg_ijc) for j < i
+    (strict) or j <= i, where seg_ijc = sum_{j < l <= i} g_lc and y_j = y_row(j) ([1, K]).
     The segment sums are direct: column j's are column j + 1's plus g_{j+1} (a running sum from
-    the diagonal outward, the rounding of a cumsum of the segment, never a difference of
-    cumulative sums), masked, so every exponent is <= 0 for g <= 0.
-    Returns (list of Z, (list of dx, dy, dG)); the carry is one [n, K] value per pair plus
-    three, so that the loop stays in registers. unroll: a static loop (the row loads do not
-    depend on the carry and can be issued ahead; the sub-block kernels' choice) instead of a
-    device loop (one body, fewer registers).
+    the diagonal outward, never a difference of cumulative sums), masked, so every exponent is
+    <= 0 for g <= 0. (The split K1 and the backward do this per token: K1d, K4d.)
     """
     rows = iota((n, K), 0)
     cc = iota((n, n), 1)
     rv = iota((n,), 0)
 
     def body(t, carry):
-        seg, zs, dxs, dy, dg = carry
+        seg, zs = carry
         j = n - 1 - t
         seg = jnp.where(rows > j, seg + g_row(jnp.minimum(j + 1, n - 1)), 0.0)
-        e = jnp.exp(seg)                                    # 1 on rows <= j
-        yj = y_row(j)
-        ye = yj * e
+        ye = y_row(j) * jnp.exp(seg)                        # exp = 1 on rows <= j
         new_z = []
         for (x, strict), z in zip(fwd, zs):
             c = jnp.where(rv > j if strict else rv >= j, jnp.sum(x * ye, axis=1), 0.0)
             new_z.append(jnp.where(cc == j, c[:, None], z))
-        if bwd:
-            new_dx, comb = [], None
-            for (x, dz), dx in zip(bwd, dxs):
-                dzj = jnp.where(rv > j, col(dz, j), 0.0)[:, None]   # strict: rows i > j
-                new_dx.append(dx + dzj * ye)                        # row side (later end)
-                comb = dzj * x if comb is None else comb + dzj * x
-            dyj = jnp.sum(comb * e, axis=0, keepdims=True)          # column side, row j
-            at_j = rows == j
-            dy = dy + jnp.where(at_j, dyj, 0.0)
-            dg = dg + comb * ye - jnp.where(at_j, yj * dyj, 0.0)
-            dxs = tuple(new_dx)
-        return seg, tuple(new_z), dxs, dy, dg
+        return seg, tuple(new_z)
 
-    zero = jnp.zeros((n, K), F32)
-    init = (zero, tuple(jnp.zeros((n, n), F32) for _ in fwd), tuple(zero for _ in bwd),
-            zero, zero)
-    if unroll:
-        carry = init
-        for t in range(n):
-            carry = body(t, carry)
-        _, zs, dxs, dy, dg = carry
-    else:
-        _, zs, dxs, dy, dg = lax.fori_loop(0, n, body, init)
-    return list(zs), (list(dxs), dy, dg)
+    init = (jnp.zeros((n, K), F32), tuple(jnp.zeros((n, n), F32) for _ in fwd))
+    return list(lax.fori_loop(0, n, body, init)[1])
 
 
 def gate_blocks(r, cfg, nb):
@@ -383,19 +358,6 @@ def block_decay(g):
     """exp(sum_{r < l <= i} g_l) over the rows i of one 16-row block of [16, K] gates, r the
     block's first row: the later end's factor of a factored off-diagonal pair."""
     return jnp.exp(jnp.cumsum(jnp.where(iota(g.shape, 0) > 0, g, 0.0), axis=0))
-
-
-def earlier_blocks(r, cfg, i, gi):
-    """The earlier end of block row i's off-diagonal pairs, j = i - 1 down to 0: yields
-    (j, k_j * exp(suffix_j + e)), e the gate from block j's end to block i's first row, summed
-    going back from the diagonal (as `channel_factors`' fy, loaded where used)."""
-    e = row(gi, 0)
-    for j in range(i - 1, -1, -1):
-        gj = load_f32(r["g"], (pl.ds(j * SUB, SUB), slice(None)))
-        yield j, load_qk(r["k"], (pl.ds(j * SUB, SUB), slice(None)), cfg, False) * jnp.exp(
-            suffix_rows(gj) + e[None, :])
-        if j:
-            e = e + jnp.sum(gj, axis=0)
 
 
 def chunk_gates(g, gate):
@@ -503,7 +465,7 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
                         A[i, j] = mm_nt(ai, bj, low)
                         P[i, j] = mm_nt(aq, bj, low)
                     else:
-                        (A[i, i], P[i, i]), _ = diag_pairs(
+                        A[i, i], P[i, i] = diag_pairs(
                             *block_rows(r, cfg, i), SUB, cfg.K,
                             fwd=((ks[i], True), (qs[i], False)))
                 else:
@@ -576,67 +538,144 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
 
 def wu_from_t(r, cfg: KernelCfg):
     """W = T (beta Gam k), U0 = T (beta v) as whole-chunk [C, C] x [C, K / V] dots, T read back
-    from the tmat buffer (written by this program behind a barrier, or by the solve kernel)."""
+    from the tmat buffer (written by this program behind a barrier, or by the solve kernel).
+    With cfg.pre_gates (channel gate) also the state passes' gated operands Gam q, exp(G_C - G) k
+    and exp(G_C), so that no [C, K] cumsum and exp runs on their sequential paths."""
     all_ = (slice(None), slice(None))
     t = load_f32(r["tmat"], all_)
     beta = load_f32(r["beta"], slice(None))[:, None]
-    x = beta * load_qk(r["k"], all_, cfg, False)
+    k = load_qk(r["k"], all_, cfg, False)
+    x = beta * k
     if cfg.gate == "scalar":
         x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
     elif cfg.gate == "channel":
-        x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
+        _, GC, gam, kdec, _ = chunk_gates(load_f32(r["g"], all_), "channel")
+        x = x * gam
+        if cfg.pre_gates:
+            r["qg"][:, :] = (load_qk(r["q"], all_, cfg, True) * gam).astype(r["qg"].dtype)
+            r["kg"][:, :] = (k * kdec).astype(r["kg"].dtype)
+            r["gend"][:] = jnp.exp(GC)
     r["w"][:, :] = mm(t, x, cfg.low).astype(r["w"].dtype)
     r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), cfg.low).astype(r["u0"].dtype)
 
 
-def channel_diag_fwd_kernel(r, cfg: KernelCfg):
-    """K1d (channel gate): one 16-row diagonal block of M = diag(beta) A and of P, by exact
-    pairwise decays (`diag_pairs`), grid (chunks x blocks, B, H).
+def token_rows(r, cfg):
+    """Loaders of one token's rows ([BH, K], float32; BH heads) inside a 16-row sub-block held as
+    [16, BH, K] refs, at a dynamic row: q (scaled), k (both normalised if asked), raw gate g."""
+    def q_(j):
+        return load_qk(r["q"], (j, slice(None), slice(None)), cfg, True)
 
-    The pairwise terms are a serial chain of 16 column steps; with one program per block
-    four times as many short programs run at once as with one per chunk, where the chains of
-    a chunk's four blocks ran one after another (H100, B4 T4096 H16 D128: the whole K1 3.65
-    ms before the split, 2.86 after; this kernel alone 1.21 ms at 4 warps, still the largest
-    part of K1, so the next step is fla's one program per token).
+    def k_(j):
+        return load_qk(r["k"], (j, slice(None), slice(None)), cfg, False)
+
+    def g_(j):
+        return load_f32(r["g"], (j, slice(None), slice(None)))
+
+    return q_, k_, g_
+
+
+def channel_diag_fwd_kernel(r, cfg: KernelCfg):
+    """K1d (channel gate): one token's row of the diagonal 16x16 blocks of M = diag(beta) A and
+    of P for BH heads, grid (tokens, H / BH, B), as fla's token-parallel intra kernel.
+
+    Row i of a diagonal block holds i + 1 pairs (j <= i); the program walks j = i - 1 down to
+    the block's first row with the segment sum seg = sum_{j < l <= i} g_l grown one gate at a
+    time from the diagonal outward (a direct segment sum, every exponent <= 0). Every operand
+    is a [BH, K] row loaded in one layout and each pair's value a reduction over K into a
+    [BH, 16] row, so no step converts layouts. The one-program-per-block form this replaces
+    ran 16 column steps on [16, K] tiles, each converting a row and a column between layouts
+    (H100, B4 T4096 H16 D128: 1.21 ms).
     """
-    all_ = (slice(None), slice(None))
-    k = load_qk(r["k"], all_, cfg, False)
-    q = load_qk(r["q"], all_, cfg, True)
-    (a, p), _ = diag_pairs(*block_rows(r, cfg, 0), SUB, cfg.K, fwd=((k, True), (q, False)),
-                           unroll=True)
-    r["tmat"][:, :] = load_f32(r["beta"], slice(None))[:, None] * a
-    r["p"][:, :] = p
+    i = pl.program_id(0) % SUB
+    q_, k_, g_ = token_rows(r, cfg)
+    qi, ki = q_(i), k_(i)
+    cols = iota((qi.shape[0], SUB), 1)
+
+    def body(t, carry):
+        seg, a, p = carry
+        j = i - 1 - t
+        seg = seg + g_(j + 1)
+        kg = k_(j) * jnp.exp(seg)
+        a = jnp.where(cols == j, jnp.sum(ki * kg, axis=1)[:, None], a)
+        p = jnp.where(cols == j, jnp.sum(qi * kg, axis=1)[:, None], p)
+        return seg, a, p
+
+    p0 = jnp.where(cols == i, jnp.sum(qi * ki, axis=1)[:, None], 0.0)     # empty segment
+    _, a, p = lax.fori_loop(0, i, body, (jnp.zeros_like(ki), jnp.zeros_like(p0), p0))
+    r["tmat"][...] = load_f32(r["beta"], (i, slice(None)))[:, None] * a
+    r["p"][...] = p
+
+
+def pair_factors(g):
+    """Gate quantities of one 16-row block [16, BK] for its factored off-diagonal pairs:
+    (fx, suf, tot, g0) with Gx_i = sum_{0 < l <= i} g_l (a cumsum of the gates after the block's
+    first row r): fx = exp(Gx), the later end's factor exp(sum_{r < l <= i} g_l); suf_j =
+    sum_{l > j} g_l = Gx_15 - Gx_j, the earlier end's in-block exponent (exactly 0 on the last
+    row; differences of block-local sums, so the rounding is |16 g| eps on terms that are
+    themselves exp(-|suf|) small); tot = the block's gate total and g0 = g_r ([BK] each).
+    Every exponent is <= 0 for g <= 0 (a rounded cumsum of non-positive terms never rises)."""
+    g0 = row(g, 0)
+    gx = jnp.cumsum(jnp.where(iota(g.shape, 0) > 0, g, 0.0), axis=0)
+    end = last(gx)
+    return jnp.exp(gx), end[None, :] - gx, end + g0, g0
+
+
+def pair_exponent(facs, i, j):
+    """exp argument's block part for the pair of blocks (i > j), shared by every row j' of j:
+    the gates from block j's end to block i's first row, g_r(i) + the totals in between."""
+    e = facs[i][3]
+    for l in range(j + 1, i):
+        e = e + facs[l][2]
+    return e[None, :]
+
+
+def qk_piece(r, name, b, kp, cfg):
+    """Rows of block b, columns kp, of q (scaled) or k; with in-kernel normalisation kp is the
+    whole row (callers use one piece then)."""
+    return load_qk(r[name], (pl.ds(b * SUB, SUB), kp), cfg, name == "q")
+
+
+def pairs_block_k(cfg):
+    """K width of the off-diagonal pair kernels' column pieces: the whole row when the kernels
+    normalise q and k (the norm and its vjp need it)."""
+    return cfg.K if cfg.normalize else min(cfg.block_k_pairs, cfg.K)
 
 
 def channel_pairs_kernel(r, cfg: KernelCfg):
     """K1p (channel gate, split K1): the strictly lower off-diagonal blocks of M = diag(beta) A
     into the tmat buffer and of P into p (zeros above the diagonal), written around K1d's
-    diagonal blocks (both buffers are aliased in and out), one block row at a time.
+    diagonal blocks (both buffers are aliased in and out).
 
-    Only one block row's operands are live at a time (its k, q times the in-block decays) and
-    the earlier rows are loaded where used, instead of every block's k, q, g and factors at
-    once, which a 128-thread program cannot keep in registers at K = 128. Off-diagonal blocks
-    are factored through the first row of the later block (`channel_factors`); the factor of
-    block j is exp(suffix_j + e), e the gate from row j's block end to that first row, summed
-    going back from the diagonal.
+    As fla's inter-block kernel: a loop over pieces of block_k_pairs columns of K, each adding
+    its share of every block pair to [16, 16] accumulators (12 at C = 64), so that only one
+    piece's operands are live. Off-diagonal pairs (i > j) are factored through block i's first
+    row r: exp(seg_ij) = exp(sum_{r < l <= i} g_l) exp(sum_{j < l <= r} g_l), both <= 1
+    (`pair_factors`).
     """
-    nb, low = cfg.C // SUB, cfg.low
+    nb, low, bk = cfg.C // SUB, cfg.low, pairs_block_k(cfg)
+    pairs = [(i, j) for i in range(1, nb) for j in range(i)]
+
+    def piece(p, acc):
+        kp = pl.ds(p * bk, bk)
+        k = [qk_piece(r, "k", b, kp, cfg) for b in range(nb)]
+        facs = [pair_factors(load_f32(r["g"], (pl.ds(b * SUB, SUB), kp))) for b in range(nb)]
+        ak = [None] + [k[i] * facs[i][0] for i in range(1, nb)]
+        aq = [None] + [qk_piece(r, "q", i, kp, cfg) * facs[i][0] for i in range(1, nb)]
+        out = []
+        for (i, j), (a, pq) in zip(pairs, acc):
+            bj = k[j] * jnp.exp(facs[j][1] + pair_exponent(facs, i, j))
+            out.append((a + mm_nt(ak[i], bj, low), pq + mm_nt(aq[i], bj, low)))
+        return tuple(out)
+
     zero = jnp.zeros((SUB, SUB), F32)
+    acc = lax.fori_loop(0, cfg.K // bk, piece, tuple((zero, zero) for _ in pairs))
+    for (i, j), (a, pq) in zip(pairs, acc):
+        si, sj = pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)
+        r["tmat"][si, sj] = load_f32(r["beta"], si)[:, None] * a
+        r["p"][si, sj] = pq
     for i in range(nb):
-        si = pl.ds(i * SUB, SUB)
         for j in range(i + 1, nb):
-            r["p"][si, pl.ds(j * SUB, SUB)] = zero
-        if not i:
-            continue
-        gi = load_f32(r["g"], (si, slice(None)))
-        fxi = block_decay(gi)
-        ai = load_qk(r["k"], (si, slice(None)), cfg, False) * fxi
-        aq = load_qk(r["q"], (si, slice(None)), cfg, True) * fxi
-        bi = load_f32(r["beta"], si)[:, None]
-        for j, bj in earlier_blocks(r, cfg, i, gi):
-            sj = pl.ds(j * SUB, SUB)
-            r["tmat"][si, sj] = bi * mm_nt(ai, bj, low)
-            r["p"][si, sj] = mm_nt(aq, bj, low)
+            r["p"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = zero
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,19 +694,30 @@ def _load_chunk(r, cfg, sl):
     return q, k, G, gam, kdec, dec
 
 
-def _chunk_operators(r, cfg, sl):
+def _gated_chunk(r, cfg, sl, n):
+    """One chunk's (Gam q, exp(G_C - G) k, exp(G_C) or None) for the state passes: stored by
+    K1b (cfg.pre_gates) or formed here from q, k and g."""
+    if cfg.pre_gates:
+        return (load_f32(r["qg"], (sl, slice(None))), load_f32(r["kg"], (sl, slice(None))),
+                load_f32(r["gend"], (n, slice(None)))[:, None])
+    q, k, _, gam, kdec, dec = _load_chunk(r, cfg, sl)
+    if dec is None:
+        return q, k, None
+    return q * gam, k * kdec, dec
+
+
+def _chunk_operators(r, cfg, sl, n):
     """Loads one chunk for the state passes: (q*Gam, k*exp(G_C-G), w, P, decay of S)."""
     C, low = cfg.C, cfg.low
-    q, k, G, gam, kdec, dec = _load_chunk(r, cfg, sl)
     w = r["w"][sl, :]
+    if cfg.gate == "channel":
+        qg, kd, dec = _gated_chunk(r, cfg, sl, n)
+        return qg, kd, w, load_f32(r["p"], (sl, slice(None))), dec
+    q, k, G, gam, kdec, dec = _load_chunk(r, cfg, sl)
+    p = mm_nt(q, k, low)
     if cfg.gate == "none":
-        p = jnp.where(iota((C, C), 0) >= iota((C, C), 1), mm_nt(q, k, low), 0.0)
-        return q, k, w, p, None
-    if cfg.gate == "scalar":
-        p = mm_nt(q, k, low) * scalar_decay(G, True)
-    else:
-        p = load_f32(r["p"], (sl, slice(None)))
-    return q * gam, k * kdec, w, p, dec
+        return q, k, w, jnp.where(iota((C, C), 0) >= iota((C, C), 1), p, 0.0), None
+    return q * gam, k * kdec, w, p * scalar_decay(G, True), dec
 
 
 def _chunk_range(r, cfg, nt_static):
@@ -684,7 +734,7 @@ def state_fwd_kernel(r, cfg: KernelCfg, nt_static: int):
 
     def body(n, s):
         sl = pl.ds(n * C, C)
-        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl)
+        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl, n)
         if cfg.store_h:
             r["h"][n, :, :] = s.astype(r["h"].dtype)
         u = load_f32(r["u0"], (sl, slice(None))) - mm(w, s, low)
@@ -710,17 +760,22 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
 
     def body(n, s):
         sl = pl.ds(n * C, C)
-        k = load_qk(r["k"], (sl, slice(None)), cfg, False)
         r["h"][n, :, :] = s.astype(r["h"].dtype)
         u = load_f32(r["u0"], (sl, slice(None))) - mm(r["w"][sl, :], s, low)
         r["vn"][sl, :] = u.astype(r["vn"].dtype)
-        if cfg.gate == "none":
-            return s + mm_tn(k, u, low)
-        if cfg.gate == "scalar":
-            _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], sl), "scalar")
+        if cfg.pre_gates:
+            kd = load_f32(r["kg"], (sl, slice(None)))
+            dec = load_f32(r["gend"], (n, slice(None)))[:, None]
         else:
-            _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], (sl, slice(None))), "channel")
-        return dec * s + mm_tn(k * kdec, u, low)
+            k = load_qk(r["k"], (sl, slice(None)), cfg, False)
+            if cfg.gate == "none":
+                return s + mm_tn(k, u, low)
+            if cfg.gate == "scalar":
+                _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], sl), "scalar")
+            else:
+                _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], (sl, slice(None))), "channel")
+            kd = k * kdec
+        return dec * s + mm_tn(kd, u, low)
 
     s = lax.fori_loop(lo, hi, body, s)
     r["sT"][:, :] = s
@@ -744,14 +799,17 @@ def output_kernel(r, cfg: KernelCfg):
     chunk's start state and U = v_new from the lean state pass."""
     low = cfg.low
     all_ = (slice(None), slice(None))
-    q = load_qk(r["q"], all_, cfg, True)
-    p = _chunk_p(r, cfg, q)
-    if cfg.gate == "channel":
-        qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
-    elif cfg.gate == "scalar":
-        qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
+    if cfg.pre_gates:                       # channel gate: Gam q from K1b, P from K1
+        qg, p = load_f32(r["qg"], all_), load_f32(r["p"], all_)
     else:
-        qg = q
+        q = load_qk(r["q"], all_, cfg, True)
+        p = _chunk_p(r, cfg, q)
+        if cfg.gate == "channel":
+            qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
+        elif cfg.gate == "scalar":
+            qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
+        else:
+            qg = q
     o = mm(qg, r["h"][:, :], low) + mm(p, r["vn"][:, :], low)
     r["o"][:, :] = o.astype(r["o"].dtype)
 
@@ -759,7 +817,7 @@ def output_kernel(r, cfg: KernelCfg):
 def _reverse_state_pass(r, cfg: KernelCfg, nt_static: int, operators):
     """The reverse recurrence of both K3 forms, chunks last to first: stores dh = dS (the
     gradient of the state at the chunk's end) and dU = dU_local + (exp(G_C - G) k) dS, then
-    dS <- exp(G_C) dS + (Gam q)^T dO - W^T dU. `operators(sl, do)` gives one chunk's
+    dS <- exp(G_C) dS + (Gam q)^T dO - W^T dU. `operators(sl, n, do)` gives one chunk's
     (Gam q, exp(G_C - G) k, W, exp(G_C) or None, dU_local = P^T dO)."""
     C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
     lo, hi = _chunk_range(r, cfg, nt_static)
@@ -770,7 +828,7 @@ def _reverse_state_pass(r, cfg: KernelCfg, nt_static: int, operators):
         sl = pl.ds(n * C, C)
         r["dh"][n, :, :] = ds.astype(r["dh"].dtype)
         do = r["do"][sl, :]
-        qg, kd, w, dec, du_local = operators(sl, do)
+        qg, kd, w, dec, du_local = operators(sl, n, do)
         du = mm(kd, ds, low) + du_local
         r["du"][sl, :] = du
         ds = ds if dec is None else dec * ds
@@ -782,8 +840,8 @@ def _reverse_state_pass(r, cfg: KernelCfg, nt_static: int, operators):
 
 def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
     """K3: the reverse state pass, recomputing P and P^T dO of each chunk on the way."""
-    def operators(sl, do):
-        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl)
+    def operators(sl, n, do):
+        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl, n)
         return qg, kd, w, dec, mm_tn(p, do, cfg.low)
 
     _reverse_state_pass(r, cfg, nt_static, operators)
@@ -800,11 +858,9 @@ def du_local_kernel(r, cfg: KernelCfg):
 def state_bwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
     """K3, lean: three dots per chunk and no P on the sequential path; dU_local comes from K3a
     and dU is written over it (the same buffer)."""
-    def operators(sl, do):
-        q, k, _, gam, kdec, dec = _load_chunk(r, cfg, sl)
-        if dec is not None:
-            q, k = q * gam, k * kdec
-        return q, k, r["w"][sl, :], dec, r["du_local"][sl, :]
+    def operators(sl, n, do):
+        qg, kd, dec = _gated_chunk(r, cfg, sl, n)
+        return qg, kd, r["w"][sl, :], dec, r["du_local"][sl, :]
 
     _reverse_state_pass(r, cfg, nt_static, operators)
 
@@ -962,111 +1018,124 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
 
 
 def channel_diag_bwd_kernel(r, cfg: KernelCfg):
-    """K4d (channel gate): the exact pairwise terms of one 16-row diagonal block of A and P,
-    grid (chunks x blocks, B, H), added in place to K4's dense dq, dk and dbeta; the gate's
-    part is reverse-summed within the block and added to K4's dg, and its block total (which
-    reaches every earlier block of the chunk) goes to `dtot` for K4b. The diagonal of P (an
-    empty segment) gives gradients to q and k and none to the gate. One program per block for
-    the reason given at `channel_diag_fwd_kernel`.
+    """K4d (channel gate): the exact pairwise terms of the diagonal 16x16 blocks of A and P for
+    one token and BH heads, grid (tokens, H / BH, B), added in place to K4's dense dq, dk and
+    dbeta; the token's share of the gate gradient goes to `dgd` (K4b adds it to its block's
+    before the block's reverse sum).
+
+    Token i is the later end of the pairs (i, j < i) (a walk down from the diagonal, as in
+    K1d: dq_i, the A part of dk_i and dbeta_i, with dG_i += q_i dq_i + k_i dk_i) and the earlier
+    end of the pairs (l > i, i) (a walk up: dk_i += sum_l exp(seg_li) (dP_li q_l + beta_l dM_li
+    k_l), with dG_i -= k_i times it). The diagonal of P (an empty segment) gives dq_i and dk_i
+    their dP_ii terms and nothing to the gate.
     """
-    all_ = (slice(None), slice(None))
-    k = load_qk(r["k"], all_, cfg, False)
-    q = load_qk(r["q"], all_, cfg, True)
-    dp, dm = load_f32(r["dp_d"], all_), load_f32(r["dm_d"], all_)
-    beta = load_f32(r["beta"], slice(None))
-    (a,), ((dqd, dkd), dkc, dgd) = diag_pairs(
-        *block_rows(r, cfg, 0), SUB, cfg.K, fwd=((k, True),),
-        bwd=((q, dp), (k, beta[:, None] * dm)), unroll=True)
-    dpd = jnp.sum(jnp.where(iota((SUB, SUB), 0) == iota((SUB, SUB), 1), dp, 0.0),
-                  axis=1)[:, None]
-    r["dq"][:, :] = load_f32(r["dq_in"], all_) + dqd + dpd * k
-    r["dk"][:, :] = load_f32(r["dk_in"], all_) + dkd + dkc + dpd * q
-    r["dg"][:, :] = load_f32(r["dg_in"], all_) + rev_cumsum_rows(dgd)
-    r["db"][:] = load_f32(r["db_in"], slice(None)) + jnp.sum(dm * a, axis=1)
-    r["dtot"][:] = jnp.sum(dgd, axis=0)
+    i = pl.program_id(0) % SUB
+    q_, k_, g_ = token_rows(r, cfg)
+    qi, ki = q_(i), k_(i)
+    cols = iota((qi.shape[0], SUB), 1)
+
+    def at(x, j):
+        return jnp.sum(jnp.where(cols == j, x, 0.0), axis=1)
+
+    def beta_(j):
+        return load_f32(r["beta"], (j, slice(None)))
+
+    dprow, dmrow = load_f32(r["dp_d"], (i, slice(None), slice(None))), load_f32(
+        r["dm_d"], (i, slice(None), slice(None)))
+    bi = beta_(i)
+
+    def later_end(t, carry):
+        seg, dq, dk, db = carry
+        j = i - 1 - t
+        seg = seg + g_(j + 1)
+        kg = k_(j) * jnp.exp(seg)
+        dmj = at(dmrow, j)
+        dq = dq + at(dprow, j)[:, None] * kg
+        dk = dk + (bi * dmj)[:, None] * kg
+        db = db + dmj * jnp.sum(ki * kg, axis=1)
+        return seg, dq, dk, db
+
+    zero = jnp.zeros_like(ki)
+    _, dq, dk, db = lax.fori_loop(0, i, later_end, (zero, zero, zero, jnp.zeros_like(bi)))
+
+    def earlier_end(t, carry):
+        seg, dkc = carry
+        l = i + 1 + t
+        seg = seg + g_(l)
+        dpl = at(load_f32(r["dp_d"], (l, slice(None), slice(None))), i)
+        dal = beta_(l) * at(load_f32(r["dm_d"], (l, slice(None), slice(None))), i)
+        return seg, dkc + jnp.exp(seg) * (dpl[:, None] * q_(l) + dal[:, None] * k_(l))
+
+    _, dkc = lax.fori_loop(0, SUB - 1 - i, earlier_end, (zero, zero))
+    dpd = at(dprow, i)[:, None]
+    r["dgd"][...] = qi * dq + ki * (dk - dkc)
+    r["dq"][...] = load_f32(r["dq_in"], (slice(None), slice(None))) + dq + dpd * ki
+    r["dk"][...] = load_f32(r["dk_in"], (slice(None), slice(None))) + dk + dkc + dpd * qi
+    r["db"][...] = load_f32(r["db_in"], slice(None)) + db
 
 
 def intra_bwd_channel_kernel(r, cfg: KernelCfg):
     """K4b (channel gate): the off-diagonal pairwise terms of A and P by 16-row blocks, then
     dq, dk, dg and dbeta of the chunk, added to K4's dense parts and K4d's diagonal ones.
 
-    One block b at a time, last to first, so that only its accumulators (dq_b, dk_b, dG_b) and
-    one pair's operands are live: the pairs (b, j < b) give the row (later end) terms, the
-    pairs (i > b, b) the column (earlier end) terms; the factors of a pair are formed on each
-    side where used (exps are cheap next to spilled registers).
+    A loop over pieces of block_k_pairs columns of K (as K1p); in each, one block b at a time,
+    last to first: the pairs (b, j < b) give the row (later end) terms, the pairs (i > b, b)
+    the column (earlier end) terms, with the factors of `pair_factors`. dbeta is linear in A,
+    so each piece adds its share. dG_b starts from K4d's per-token diagonal-block part (dgd);
     dg_b = reverse cumsum of dG_b within the block + the later blocks' pairwise dG totals
-    (carried, K4d's included) + the dense and diagonal parts already in dg_p.
+    (carried) + the dense part in dg_p.
     """
-    C, K, low = cfg.C, cfg.K, cfg.low
-    nb = C // SUB
-
-    def blk(b):
-        return (pl.ds(b * SUB, SUB), slice(None))
+    nb, low, bk = cfg.C // SUB, cfg.low, pairs_block_k(cfg)
 
     def pair(name, i, j):
         return load_f32(r[name], (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
 
-    def k_(b):
-        return load_qk(r["k"], blk(b), cfg, False)
+    betas = [load_f32(r["beta"], pl.ds(b * SUB, SUB))[:, None] for b in range(nb)]
 
-    def q_(b):
-        return load_qk(r["q"], blk(b), cfg, True)
-
-    def g_(b):
-        return load_f32(r["g"], blk(b))
-
-    def beta_(b):
-        return load_f32(r["beta"], pl.ds(b * SUB, SUB))
-
-    later = None        # sum over the blocks after b of their pairwise dG rows
-    for b in range(nb - 1, -1, -1):
-        sb = blk(b)
-        dq = load_f32(r["dq_p"], sb)
-        dk = load_f32(r["dk_p"], sb)
-        dbeta = load_f32(r["db_p"], pl.ds(b * SUB, SUB))
-        dG = jnp.zeros((SUB, K), F32)
-
-        # Row side: pairs (b, j), j < b.
-        if b:
-            beta_b = beta_(b)[:, None]
-            gb = g_(b)
-            fb = block_decay(gb)
-            ab, aq = k_(b) * fb, q_(b) * fb
-            for j, bj in earlier_blocks(r, cfg, b, gb):
+    def piece(p, dbs):
+        kp = pl.ds(p * bk, bk)
+        k = [qk_piece(r, "k", b, kp, cfg) for b in range(nb)]
+        q = [qk_piece(r, "q", b, kp, cfg) for b in range(nb)]
+        facs = [pair_factors(load_f32(r["g"], (pl.ds(b * SUB, SUB), kp))) for b in range(nb)]
+        dbs = list(dbs)
+        later = None        # sum over the blocks after b of their pairwise dG rows
+        for b in range(nb - 1, -1, -1):
+            sb = (pl.ds(b * SUB, SUB), kp)
+            dq = load_f32(r["dq_p"], sb)
+            dk = load_f32(r["dk_p"], sb)
+            dG = load_f32(r["dgd"], sb)
+            fb = facs[b][0]
+            for j in range(b):                               # row side: pairs (b, j)
+                bj = k[j] * jnp.exp(facs[j][1] + pair_exponent(facs, b, j))
                 dm = pair("dm", b, j)
-                dbeta = dbeta + jnp.sum(dm * mm_nt(ab, bj, low), axis=1)
+                dbs[b] = dbs[b] + jnp.sum(dm * mm_nt(k[b] * fb, bj, low), axis=1)
                 dqi = mm(pair("dp", b, j), bj, low) * fb
-                dki = mm(beta_b * dm, bj, low) * fb
+                dki = mm(betas[b] * dm, bj, low) * fb
                 dq = dq + dqi
                 dk = dk + dki
-                dG = dG + q_(b) * dqi + k_(b) * dki
-
-        # Column side: pairs (i, b), i > b.
-        if b < nb - 1:
-            sufb = suffix_rows(g_(b))
-            e = None
-            for i in range(b + 1, nb):
-                gi = g_(i)
-                ei = row(gi, 0) if e is None else e + row(gi, 0)
-                fy = jnp.exp(sufb + ei[None, :])
-                e = jnp.sum(gi, axis=0) if e is None else e + jnp.sum(gi, axis=0)
-                fi = block_decay(gi)
-                da = beta_(i)[:, None] * pair("dm", i, b)
-                dkj = (mm_tn(pair("dp", i, b), q_(i) * fi, low)
-                       + mm_tn(da, k_(i) * fi, low)) * fy
+                dG = dG + q[b] * dqi + k[b] * dki
+            for i in range(b + 1, nb):                       # column side: pairs (i, b)
+                fy = jnp.exp(facs[b][1] + pair_exponent(facs, i, b))
+                fi = facs[i][0]
+                dkj = (mm_tn(pair("dp", i, b), q[i] * fi, low)
+                       + mm_tn(betas[i] * pair("dm", i, b), k[i] * fi, low)) * fy
                 dk = dk + dkj
-                dG = dG - k_(b) * dkj
+                dG = dG - k[b] * dkj
+            dg = rev_cumsum_rows(dG) + load_f32(r["dg_p"], sb)
+            if later is not None:
+                dg = dg + later[None, :]
+            tot = jnp.sum(dG, axis=0)
+            later = tot if later is None else later + tot
+            dq = dq * cfg.scale
+            if cfg.normalize:                                # one piece: whole rows
+                dq = l2n_vjp(load_f32(r["q"], sb), dq)
+                dk = l2n_vjp(load_f32(r["k"], sb), dk)
+            r["dq"][sb] = dq.astype(r["dq"].dtype)
+            r["dk"][sb] = dk.astype(r["dk"].dtype)
+            r["dg"][sb] = dg.astype(r["dg"].dtype)
+        return tuple(dbs)
 
-        dg = rev_cumsum_rows(dG) + load_f32(r["dg_p"], sb)
-        if later is not None:
-            dg = dg + later[None, :]
-        tot = jnp.sum(dG, axis=0) + load_f32(r["dtot"], (b, slice(None)))
-        later = tot if later is None else later + tot
-        dq = dq * cfg.scale
-        if cfg.normalize:
-            dq = l2n_vjp(load_f32(r["q"], sb), dq)
-            dk = l2n_vjp(load_f32(r["k"], sb), dk)
-        r["dq"][sb] = dq.astype(r["dq"].dtype)
-        r["dk"][sb] = dk.astype(r["dk"].dtype)
-        r["dg"][sb] = dg.astype(r["dg"].dtype)
-        r["dbeta"][pl.ds(b * SUB, SUB)] = dbeta.astype(r["dbeta"].dtype)
+    dbs = lax.fori_loop(0, cfg.K // bk, piece,
+                        tuple(load_f32(r["db_p"], pl.ds(b * SUB, SUB)) for b in range(nb)))
+    for b in range(nb):
+        r["dbeta"][pl.ds(b * SUB, SUB)] = dbs[b].astype(r["dbeta"].dtype)
