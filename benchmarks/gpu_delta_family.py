@@ -18,6 +18,8 @@ Parts (env PARTS, comma separated, default "check,bench,fla,tune"):
          pipeline stages, residual storage dtypes): which defaults to keep (TUNE_OPS, TUNE_ONLY).
   stages each of our kernels timed alone at the first shape (where the time goes; STAGES_VARIANT
          names a TUNE entry for other block sizes).
+  kernels every Pallas call of one fwd+bwd, recorded while tracing and re-timed alone, for each
+         TUNE entry in STAGES_VARIANT (KERNELS_ONLY: name substrings to keep).
   probe  K1 timed with its serial parts (16x16 forward substitution, block merges) stubbed out:
          timing diagnostics only, the results are wrong on purpose.
   fla_profile  per-kernel CUDA times of fla's fwd+bwd (torch.profiler): the anchor's stage split.
@@ -403,11 +405,21 @@ TUNE = {
     "split_intra_subst1": dict(split_intra=True, diag_inverse="substitution",
                                num_warps_solve=1),
     "split_bwd_s3": dict(split_state_bwd=True, num_stages_state=3),
-    # KDA's diagonal-block kernels (K1d, K4d), one program per 16-row block
-    "diag_w1": dict(num_warps_diag=1),
-    "diag_w4": dict(num_warps_diag=4),
-    "diag_w4_bwd_w8": dict(num_warps_diag=4, num_warps_bwd=8),
-    "diag_w2_bwd_w8_intra_w2": dict(num_warps_bwd=8, num_warps_intra=2),
+    # KDA's diagonal-block kernels (K1d, K4d), one program per token and diag_heads heads
+    # (fla autotunes its token-parallel kernel over 1, 2, 4, 8 heads and 1, 2, 4, 8 warps)
+    "diag_h1_w1": dict(diag_heads=1, num_warps_diag=1),
+    "diag_h2_w1": dict(diag_heads=2, num_warps_diag=1),
+    "diag_h4_w1": dict(diag_heads=4, num_warps_diag=1),
+    "diag_h4_w4": dict(diag_heads=4, num_warps_diag=4),
+    "diag_h8_w2": dict(diag_heads=8, num_warps_diag=2),
+    "diag_h8_w4": dict(diag_heads=8, num_warps_diag=4),
+    "diag_h16_w4": dict(diag_heads=16, num_warps_diag=4),
+    # KDA's off-diagonal pair kernels (K1p, K4b): K columns per piece (fla: 32 or 64)
+    "pairs_bk32": dict(block_k_pairs=32),
+    "pairs_bk64": dict(block_k_pairs=64),
+    "pairs_bwd_bk128": dict(block_k_pairs_bwd=128),
+    "pairs_w2": dict(num_warps_pairs=2),
+    "pairs_w8": dict(num_warps_pairs=8),
     "split_bwd_bv32_s3": dict(split_state_bwd=True, block_v=32, num_stages_state=3),
     "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),
     "combo_bv32": dict(split_intra=True, num_stages_state=3, split_state_bwd=True, block_v=32),
@@ -453,8 +465,8 @@ def tune_op(shape, op):
 # Which kernels a TUNE entry changes: the stage timings of a variant time only those (the
 # others would repeat the default's), on the default's intermediate results.
 STAGE_NAMES = ("K1 intra fwd", "K2 state fwd (+output)", "K3 state bwd", "K4 intra bwd")
-AFFECTS = (("diag", (0, 3)), ("split_intra", (0,)), ("split_bwd", (1, 2)), ("intra", (0,)), ("out", (1,)),
-           ("state", (1, 2)), ("bwd", (3,)))
+AFFECTS = (("diag", (0, 3)), ("pairs", (0, 3)), ("split_intra", (0,)), ("split_bwd", (1, 2)),
+           ("intra", (0,)), ("out", (1,)), ("state", (1, 2)), ("bwd", (3,)))
 
 
 def _affected(variant):
@@ -519,14 +531,18 @@ def stages(shape):
 
 
 def kernels(shape):
-    """Time of every Pallas kernel of one fwd+bwd, each launched alone (STAGES_VARIANT: the
-    block sizes, default "default"). The calls are recorded while the op is traced, then each
+    """Time of every Pallas kernel of one fwd+bwd, each launched alone, for each of the block
+    sizes in STAGES_VARIANT (default "default"). The calls are recorded while the op is traced, then each
     is re-run under jit on fresh inputs of the recorded shapes (small negative floats, so that
     gates decay; the kernels have no data-dependent control flow, so the data does not change
     their time)."""
+    for variant in os.environ.get("STAGES_VARIANT", "default").split(","):
+        kernels_variant(shape, variant)
+
+
+def kernels_variant(shape, variant):
     B, T, H, D = shape
     key = "x".join(map(str, shape))
-    variant = os.environ.get("STAGES_VARIANT", "default").split(",")[0]
     res = RESULTS.setdefault("kernels", {}).setdefault(key, {}).setdefault(variant, {})
     real = gpu._call
     for op in OPS:
@@ -554,6 +570,7 @@ def kernels(shape):
         finally:
             gpu._call = real
         times, seen = {}, set()
+        only = os.environ.get("KERNELS_ONLY")
         for i, (body, grid, ins, outs, kw) in enumerate(recorded):
             # the forward is traced twice (primal and custom_vjp fwd): time each kernel once
             sig = (kw["name"], grid, tuple((n, sd.shape) for n, sd, _ in ins))
@@ -561,6 +578,8 @@ def kernels(shape):
                 continue
             seen.add(sig)
             name = f"{len(seen)}:{kw['name']}"
+            if only and not any(part in kw["name"] for part in only.split(",")):
+                continue
             try:
                 rng = np.random.default_rng(i)
                 arrays = [jnp.asarray(-0.1 * rng.random(sd.shape), sd.dtype)
