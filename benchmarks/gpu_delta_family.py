@@ -418,6 +418,7 @@ TUNE = {
     "pairs_bk32": dict(block_k_pairs=32),
     "pairs_bk64": dict(block_k_pairs=64),
     "pairs_bwd_bk128": dict(block_k_pairs_bwd=128),
+    "pairs_fused_solve": dict(fuse_pairs_solve=True),
     "pairs_w2": dict(num_warps_pairs=2),
     "pairs_w8": dict(num_warps_pairs=8),
     "split_bwd_bv32_s3": dict(split_state_bwd=True, block_v=32, num_stages_state=3),

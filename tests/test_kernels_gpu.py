@@ -117,6 +117,14 @@ def test_channel_pieces_and_head_groups(strength):
                                         diag_heads=2))
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_channel_fused_pairs_solve(dtype, tol):
+    """KDA with the blocked inverse formed inside K1p (fla's inter + solve kernel), chunk 64."""
+    args, w = make(22, gate="channel", K=32, V=16, T_=77, H_=2)
+    args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
+    check_all(args, w, tol, chunk_size=64, block_sizes=GpuBlockSizes(fuse_pairs_solve=True))
+
+
 def test_f32_no_initial_state_chunk32_and_no_beta():
     args, w = make(2, gate="scalar", T_=45, K=32, V=16)
     q, k, v, beta, g, _ = args
@@ -438,6 +446,13 @@ def test_triton_lowering_split_intra(gate):
     n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16,
                         block_sizes=GpuBlockSizes(split_intra=True, split_state_bwd=False))
     assert n == (10 if gate == "channel" else 6)
+
+
+def test_triton_lowering_fused_pairs_solve():
+    # K1p forms T itself: one kernel fewer than the default channel layout
+    n = _lower_for_cuda("channel", 128, 128, jnp.bfloat16,
+                        block_sizes=GpuBlockSizes(fuse_pairs_solve=True))
+    assert n == 9
 
 
 def test_triton_lowering_varlen_normalize():

@@ -122,6 +122,10 @@ class GpuBlockSizes:
                    (None: 128; a power of two >= 16, capped at K; the whole row with in-kernel
                    q/k normalisation).
     block_k_pairs_bwd: the same for its backward K4b (None: 64).
+    fuse_pairs_solve: KDA: K1p also forms the blocked inverse T from its blocks in registers and
+                   K1d's diagonal blocks, as fla's inter + solve kernel, so that M makes no
+                   round trip through memory and the solve kernel is skipped (None: False;
+                   not yet timed on a GPU).
     num_warps_pairs: warps of K1p and K4b (None: 4). H100, B4 T4096 H16 D128 bf16: K1p 0.39 ms
                    at 128 columns and 4 warps (0.45 at 64, 0.55 on 8 warps); K4b 1.61 at 64
                    columns and 4 warps, 1.65 at 128 on 8, 1.99 at 128 on 4.
@@ -155,6 +159,7 @@ class GpuBlockSizes:
     block_k_pairs: int | None = None
     block_k_pairs_bwd: int | None = None
     num_warps_pairs: int | None = None
+    fuse_pairs_solve: bool | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -223,7 +228,8 @@ class GpuBlockSizes:
             diag_heads=_given(self.diag_heads, 4),
             block_k_pairs=_given(self.block_k_pairs, 128),
             block_k_pairs_bwd=_given(self.block_k_pairs_bwd, 64),
-            num_warps_pairs=_given(self.num_warps_pairs, 4))
+            num_warps_pairs=_given(self.num_warps_pairs, 4),
+            fuse_pairs_solve=bool(self.fuse_pairs_solve))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,12 +535,13 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
                   [tmat, ("p", tmat[1], rows(C))], name="delta_intra_pairs",
                   num_warps=bs.num_warps_pairs, num_stages=1, interpret=st.interpret,
                   aliases={"m_d": "tmat", "p_d": "p"})
-        solve_ins = [x for x in ins if x[0] == "beta"] + [("m", r["tmat"], rows(C))]
-        r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True,
-                                         part="solve"),
-                       (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
-                       num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret,
-                       aliases={"m": "tmat"}))
+        if not kc.fuse_solve:
+            solve_ins = [x for x in ins if x[0] == "beta"] + [("m", r["tmat"], rows(C))]
+            r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True,
+                                             part="solve"),
+                           (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
+                           num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret,
+                           aliases={"m": "tmat"}))
     else:
         r = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
                   (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
@@ -907,7 +914,8 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       wide=bool(bs.wide_intra), interpret=interpret,
                       diag_products=bs.diag_inverse == "products",
                       block_k_pairs=bs.block_k_pairs,
-                      pre_gates=gate == "channel" and bool(bs.split_intra))
+                      pre_gates=gate == "channel" and bool(bs.split_intra),
+                      fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve))
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 

@@ -86,6 +86,7 @@ class KernelCfg:
     diag_products: bool = False  # bf16: 16x16 diagonal inverses as a product of matmuls
     block_k_pairs: int = 64      # K columns per piece of the off-diagonal pair kernels (K1p, K4b)
     pre_gates: bool = False      # channel gate: K1b stores Gam q, exp(G_C - G) k and exp(G_C)
+    fuse_solve: bool = False     # channel gate: K1p also forms the inverse T (no solve kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,7 +419,6 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
     rr, cc = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
     strict = rr > cc
     all_ = (slice(None), slice(None))
-    merge = 3 if cfg.merge_dots == 3 else True
     wide_a = cfg.wide and cfg.gate != "channel"
     bs = [load_f32(r["beta"], pl.ds(b * SUB, SUB)) for b in range(nb)]
 
@@ -480,26 +480,10 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
                     A[i, j] = a
         M = {key: bs[key[0]][:, None] * a for key, a in A.items()}
 
-    # Blocked inverse of the unit lower-triangular I + diag(beta) A, all float32: the diagonal
-    # blocks by forward substitution (one interleaved loop), then block merges.
-    diag = [M[i, i] for i in range(nb)]
-    if cfg.diag_products and low:
-        diag = [inv_unit_lower_products(d) for d in diag]
-    else:
-        diag = inv_unit_lower_multi(diag)
-    T = {(i, i): d for i, d in enumerate(diag)}
-    for i in range(nb):
-        for j in range(i - 1, -1, -1):
-            acc = mm(M[i, j], T[j, j], low, exact=merge)
-            for l in range(j + 1, i):
-                acc = acc + mm(M[i, l], T[l, j], low, exact=merge)
-            T[i, j] = -mm(T[i, i], acc, low, exact=merge)
+    T = blocked_inverse(M, nb, cfg)
 
     def store_blocks(name, blocks):
-        for i in range(nb):
-            for j in range(nb):
-                blk = blocks[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
-                r[name][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk
+        store_lower_blocks(r, name, blocks, nb)
 
     if P:
         store_blocks("p", P)
@@ -534,6 +518,36 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
         r["u0"][sl, :] = u.astype(r["u0"].dtype)
     if store_t:
         store_blocks("tmat", T)
+
+
+def blocked_inverse(M, nb, cfg):
+    """T = (I + M)^-1 for the unit lower-triangular chunk matrix given as 16x16 blocks M[i, j]
+    (j <= i, float32): the diagonal blocks by forward substitution (one interleaved loop) or,
+    for bf16 inputs with cfg.diag_products, Neumann products; then block merges with
+    `merge_dots` bf16 dots per product for bf16 inputs (float32 inputs: float32-exact)."""
+    low = cfg.low
+    merge = 3 if cfg.merge_dots == 3 else True
+    diag = [M[i, i] for i in range(nb)]
+    if cfg.diag_products and low:
+        diag = [inv_unit_lower_products(d) for d in diag]
+    else:
+        diag = inv_unit_lower_multi(diag)
+    T = {(i, i): d for i, d in enumerate(diag)}
+    for i in range(nb):
+        for j in range(i - 1, -1, -1):
+            acc = mm(M[i, j], T[j, j], low, exact=merge)
+            for l in range(j + 1, i):
+                acc = acc + mm(M[i, l], T[l, j], low, exact=merge)
+            T[i, j] = -mm(T[i, i], acc, low, exact=merge)
+    return T
+
+
+def store_lower_blocks(r, name, blocks, nb):
+    """Writes 16x16 blocks (i, j <= i) of a [C, C] chunk matrix and zeros above them."""
+    for i in range(nb):
+        for j in range(nb):
+            blk = blocks[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+            r[name][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk
 
 
 def wu_from_t(r, cfg: KernelCfg):
@@ -644,7 +658,8 @@ def pairs_block_k(cfg):
 def channel_pairs_kernel(r, cfg: KernelCfg):
     """K1p (channel gate, split K1): the strictly lower off-diagonal blocks of M = diag(beta) A
     into the tmat buffer and of P into p (zeros above the diagonal), written around K1d's
-    diagonal blocks (both buffers are aliased in and out).
+    diagonal blocks (both buffers are aliased in and out); with cfg.fuse_solve the inverse T
+    of the whole chunk instead of M (the solve kernel is then skipped).
 
     As fla's inter-block kernel: a loop over pieces of block_k_pairs columns of K, each adding
     its share of every block pair to [16, 16] accumulators (12 at C = 64), so that only one
@@ -669,13 +684,24 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
 
     zero = jnp.zeros((SUB, SUB), F32)
     acc = lax.fori_loop(0, cfg.K // bk, piece, tuple((zero, zero) for _ in pairs))
+    M, P = {}, {}
     for (i, j), (a, pq) in zip(pairs, acc):
-        si, sj = pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)
-        r["tmat"][si, sj] = load_f32(r["beta"], si)[:, None] * a
-        r["p"][si, sj] = pq
+        M[i, j] = load_f32(r["beta"], pl.ds(i * SUB, SUB))[:, None] * a
+        P[i, j] = pq
+    if cfg.fuse_solve:
+        # As fla's inter + solve kernel: the inverse T from the blocks in registers and K1d's
+        # diagonal blocks, which are read before T overwrites them (the buffer is aliased).
+        for i in range(nb):
+            M[i, i] = load_f32(r["m_d"], (pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)))
+        barrier(cfg)
+        store_lower_blocks(r, "tmat", blocked_inverse(M, nb, cfg), nb)
+    else:
+        for (i, j) in pairs:
+            r["tmat"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = M[i, j]
     for i in range(nb):
-        for j in range(i + 1, nb):
-            r["p"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = zero
+        for j in range(nb):
+            if j != i:
+                r["p"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = P[i, j] if j < i else zero
 
 
 # ---------------------------------------------------------------------------------------------
