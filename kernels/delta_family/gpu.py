@@ -461,14 +461,15 @@ def _seq_specs(st, Tp, NT):
     return full, vblk, vec, state, hs, offs
 
 
-def _gated_seq_ins(st, r, Tp, NT):
+def _gated_seq_ins(st, r, Tp, NT, names=("qg", "kg", "gend")):
     """The channel gate's K1b-stored state-pass operands (cfg.pre_gates) for the sequential
-    kernels: Gam q, exp(G_C - G) k and exp(G_C) per chunk."""
+    kernels, those in `names`: Gam q, exp(G_C - G) k and exp(G_C) per chunk."""
     K = st.kc.K
     full = _seq_specs(st, Tp, NT)[0]
-    gend = pl.BlockSpec((None, NT, None, K),
-                        lambda s, h, j: (0 if st.kc.varlen else s, 0, h, 0))
-    return [("qg", r["qg"], full(K)), ("kg", r["kg"], full(K)), ("gend", r["gend"], gend)]
+    specs = dict(qg=full(K), kg=full(K),
+                 gend=pl.BlockSpec((None, NT, None, K),
+                                   lambda s, h, j: (0 if st.kc.varlen else s, 0, h, 0)))
+    return [(n, r[n], specs[n]) for n in names]
 
 
 def _inter_dtype(bs, dtype):
@@ -578,7 +579,7 @@ def _state_forward_lean(st: _Static, q, k, v, g, s0, offs, r1):
     full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
     ins = [("w", r1["w"], full(K)), ("u0", r1["u0"], vblk)]
     if kc.pre_gates:
-        ins += _gated_seq_ins(st, r1, Tp, NT)[1:]
+        ins += _gated_seq_ins(st, r1, Tp, NT, names=("kg", "gend"))
     else:
         ins.append(("k", k, full(K)))
         if kc.gate == "scalar":
