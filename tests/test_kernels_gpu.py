@@ -203,6 +203,15 @@ def test_split_state_backward(gate):
     check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_state_bwd=True))
 
 
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_one_pass_state_backward_on_stored_gates(gate):
+    """The one-pass reverse state pass (P recomputed on the way) with K1b's stored gate operands
+    (the scalar gate's cumulative gate, gated on the [C, BV] side; the channel gate's Gam q and
+    exp(G_C - G) k), at V blocks of 16 and extreme gates."""
+    args, w = make(17, gate=gate, T_=45, strength="extreme")
+    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_state_bwd=False, block_v=16))
+
+
 @pytest.mark.parametrize("case", ["random", "unit_keys_beta1", "all_equal_keys"])
 def test_diagonal_inverse_products(case):
     """The bf16 path's 16x16 inverse (Neumann products) against float64 numpy. With L2-normalised

@@ -168,7 +168,8 @@ class GpuBlockSizes:
         (Triton 3.9, bf16, K = V = 128) and from timings: the intra-chunk backward needs 8
         (16 halves the register cap and spills more); the state passes spill < 300 B at 4 or 8
         warps. Pipeline stages in the state passes multiply their shared memory: three fit
-        bf16 with K <= 128 and a scalar or no gate, two bf16 KDA with K <= 128 (<= 150 KB);
+        bf16 with K <= 128 and a scalar or no gate, and KDA at V blocks of 16; two bf16 KDA
+        with K <= 128 at wider V blocks (<= 150 KB);
         K = 256 KDA (282 KB at two) and float32 KDA (224 KB at two) use one.
         Timings on an H100 (B4 T4096 H16 D128 bf16, each kernel alone, 2026-11-21, in
         benchmarks/results): three stages take the lean state pass K2 from 0.434 to 0.386 ms
@@ -181,15 +182,20 @@ class GpuBlockSizes:
         bv = self.block_v
         if bv is None:
             # One program per (sequence, head, V block) runs the sequential chunk loop: aim at
-            # >= 128 of them (one per SM on H100/H200) without V blocks below 32.
+            # >= 128 of them (one per SM on H100/H200) without V blocks below 16. H100, B1
+            # T16384 H16 D128 bf16 (16 x V / block_v programs), the DeltaNet state pass with
+            # operands as stored: 0.30 ms at 32, 0.26 at 16.
             bv = min(V, 64)
-            while programs is not None and bv > 32 and programs * (V // bv) < 128:
+            while programs is not None and bv > 16 and programs * (V // bv) < 128:
                 bv //= 2
         bvb = _given(self.block_v_bwd, min(V, 32 if K >= 256 else 64))
         big = max(K, V) >= 256
         split_intra = True if self.split_intra is None else self.split_intra
         if low and K <= 128:
-            stages = 2 if gate == "channel" else 3
+            # KDA's reverse pass loads five [C, K] operands per chunk: three stages fit its
+            # shared memory at V blocks of 16 (H100, B1 T16384 H16 D128: K2 0.525 -> 0.395 ms,
+            # K3 0.768 -> 0.630; four stages overflow K3), two at wider blocks.
+            stages = 2 if gate == "channel" and bv > 16 else 3
         else:
             stages = 1
         return dataclasses.replace(
@@ -462,11 +468,12 @@ def _seq_specs(st, Tp, NT):
 
 
 def _gated_seq_ins(st, r, Tp, NT, names=("qg", "kg", "gend")):
-    """The channel gate's K1b-stored state-pass operands (cfg.pre_gates) for the sequential
-    kernels, those in `names`: Gam q, exp(G_C - G) k and exp(G_C) per chunk."""
+    """K1b-stored gate operands (cfg.pre_gates) for the sequential kernels, those in `names`:
+    the channel gate's Gam q, exp(G_C - G) k and exp(G_C) per chunk, or the scalar gate's
+    chunk-local cumulative gate gcum."""
     K = st.kc.K
-    full = _seq_specs(st, Tp, NT)[0]
-    specs = dict(qg=full(K), kg=full(K),
+    full, _, vec = _seq_specs(st, Tp, NT)[:3]
+    specs = dict(qg=full(K), kg=full(K), gcum=vec,
                  gend=pl.BlockSpec((None, NT, None, K),
                                    lambda s, h, j: (0 if st.kc.varlen else s, 0, h, 0)))
     return [(n, r[n], specs[n]) for n in names]
@@ -548,7 +555,9 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
                   (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
                   num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret)
     wu_ins = [x for x in ins if x[0] != "q" or kc.pre_gates] + [("tmat", r["tmat"], rows(C))]
-    if kc.pre_gates:
+    if kc.pre_gates and kc.gate == "scalar":
+        outs = outs + [("gcum", _sds((B, Tp, H), F32), _chunk_specs(C)[1])]
+    elif kc.pre_gates:
         K = kc.K
         outs = outs + [("qg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
                        ("kg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
@@ -578,11 +587,13 @@ def _state_forward_lean(st: _Static, q, k, v, g, s0, offs, r1):
     NS = st.n_seq
     full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
     ins = [("w", r1["w"], full(K)), ("u0", r1["u0"], vblk)]
-    if kc.pre_gates:
+    if kc.pre_gates and kc.gate == "channel":
         ins += _gated_seq_ins(st, r1, Tp, NT, names=("kg", "gend"))
     else:
         ins.append(("k", k, full(K)))
-        if kc.gate == "scalar":
+        if kc.pre_gates:
+            ins += _gated_seq_ins(st, r1, Tp, NT, names=("gcum",))
+        elif kc.gate == "scalar":
             ins.append(("g", g, svec))
         elif kc.gate == "channel":
             ins.append(("g", g, full(K)))
@@ -607,14 +618,14 @@ def _output(st: _Static, q, k, v, g, r1, r2):
     NT = Tp // C
     bvo = bs.block_v_out
     rows, vec, vrows = _vblock_specs(C, bvo)
-    if kc.pre_gates:
+    if kc.pre_gates and kc.gate == "channel":
         ins = [("qg", r1["qg"], rows(K)), ("p", r1["p"], rows(C))]
     else:
         ins = [("q", q, rows(K))]
         if kc.gate != "channel":
             ins.append(("k", k, rows(K)))
         if kc.gate == "scalar":
-            ins.append(("g", g, vec))
+            ins.append(("gcum", r1["gcum"], vec) if kc.pre_gates else ("g", g, vec))
         elif kc.gate == "channel":
             ins += [("g", g, rows(K)), ("p", r1["p"], rows(C))]
     ins += [("h", r2["h"], pl.BlockSpec((None, None, None, K, bvo),
@@ -640,7 +651,7 @@ def _state_forward_fused(st: _Static, q, k, v, g, s0, offs, r1, save):
         ins.append(("g", g, svec))
     elif kc.gate == "channel":
         ins += [("g", g, full(K)), ("p", r1["p"], full(kc.C))]
-    if kc.pre_gates:
+    if kc.pre_gates and kc.gate == "channel":
         ins += _gated_seq_ins(st, r1, Tp, NT)
     if kc.has_s0:
         ins.append(("s0", s0, state))
@@ -661,7 +672,8 @@ def _forward(st: _Static, q, k, v, beta, g, s0, offs, save):
     res = None
     if save:
         res = dict(w=r1["w"], u0=r1["u0"], tmat=r1["tmat"], p=r1.get("p"), h=r2["h"],
-                   vn=r2.get("vn"), qg=r1.get("qg"), kg=r1.get("kg"), gend=r1.get("gend"))
+                   vn=r2.get("vn"), qg=r1.get("qg"), kg=r1.get("kg"), gend=r1.get("gend"),
+                   gcum=r1.get("gcum"))
     return r2["o"], r2["sT"], res
 
 
@@ -679,7 +691,7 @@ def _du_local(st: _Static, q, k, g, res, do):
     else:
         ins.append(("k", k, rows(K)))
         if kc.gate == "scalar":
-            ins.append(("g", g, vec))
+            ins.append(("gcum", res["gcum"], vec) if kc.pre_gates else ("g", g, vec))
     ins.append(("do", do, vrows))
     outs = [("du", _sds((B, Tp, H, V), F32), vrows)]
     return _call(functools.partial(gk.du_local_kernel, cfg=kc), (V // bvo, NT, B, H), ins, outs,
@@ -700,13 +712,14 @@ def _state_backward(st: _Static, q, k, g, offs, res, do, dsT):
     kc3 = dataclasses.replace(kc, has_dsT=dsT is not None)
     ins = [("q", q, full(K)), ("k", k, full(K)), ("w", res["w"], full(K))]
     if kc.gate == "scalar":
-        ins.append(("g", g, svec))
+        ins += (_gated_seq_ins(st, res, Tp, NT, names=("gcum",)) if kc.pre_gates
+                else [("g", g, svec)])
     elif kc.gate == "channel":
         ins.append(("g", g, full(K)))
         if not split:
             ins.append(("p", res["p"], full(kc.C)))
-    if kc.pre_gates:
-        ins += _gated_seq_ins(st, res, Tp, NT)
+        if kc.pre_gates:
+            ins += _gated_seq_ins(st, res, Tp, NT)
     ins.append(("do", do, vblk))
     if split:
         ins.append(("du_local", _du_local(st, q, k, g, res, do), vblk))
@@ -915,7 +928,7 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       wide=bool(bs.wide_intra), interpret=interpret,
                       diag_products=bs.diag_inverse == "products",
                       block_k_pairs=bs.block_k_pairs,
-                      pre_gates=gate == "channel" and bool(bs.split_intra),
+                      pre_gates=gate != "none" and bool(bs.split_intra),
                       fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve))
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st

@@ -85,7 +85,9 @@ class KernelCfg:
     interpret: bool = False  # interpret mode: no GPU barrier primitive
     diag_products: bool = False  # bf16: 16x16 diagonal inverses as a product of matmuls
     block_k_pairs: int = 64      # K columns per piece of the off-diagonal pair kernels (K1p, K4b)
-    pre_gates: bool = False      # channel gate: K1b stores Gam q, exp(G_C - G) k and exp(G_C)
+    pre_gates: bool = False      # K1b stores the state passes' gate operands: the scalar
+    #                              gate's cumulative gate; the channel gate's Gam q,
+    #                              exp(G_C - G) k and exp(G_C)
     fuse_solve: bool = False     # channel gate: K1p also forms the inverse T (no solve kernel)
 
 
@@ -264,6 +266,24 @@ def load_f32(ref, idx):
     return ref[idx].astype(F32)
 
 
+def load_dot(ref, idx, cfg):
+    """A dot operand as stored (bf16 for bf16 inputs; float32 values for float32 inputs, whose
+    dots split them exactly). A load that feeds a dot unchanged is staged into shared memory by
+    Triton's software pipeliner; a float32 round trip (load, convert, convert back) sends it
+    through registers on the sequential path instead (H100, B1 T16384 H16 D128 bf16, the
+    DeltaNet state pass: 0.44 ms with k converted, 0.30 ms raw)."""
+    x = ref[idx]
+    return x if cfg.low else x.astype(F32)
+
+
+def qk_operand(ref, idx, cfg):
+    """q or k as a dot operand, WITHOUT the query scale (callers apply it to the smaller side):
+    as stored, or normalised in float32 when cfg.normalize."""
+    if cfg.normalize:
+        return l2n(ref[idx].astype(F32))
+    return load_dot(ref, idx, cfg)
+
+
 def load_qk(ref, idx, cfg, is_q):
     x = ref[idx].astype(F32)
     if cfg.normalize:
@@ -374,6 +394,17 @@ def chunk_gates(g, gate):
     G = jnp.cumsum(g, axis=0)
     GC = last(G)
     return G, GC, jnp.exp(G), jnp.exp(GC[None, :] - G), jnp.exp(GC)[:, None]
+
+
+def scalar_chunk_gates(r, cfg, sl, n):
+    """The scalar gate's (G [C], G_C) of chunk n (rows sl) for the sequential passes: G read
+    from K1b's stored chunk-local cumulative gate (cfg.pre_gates; G_C is then its last row, a
+    [1] load) or summed here from g. Both broadcast against [C, 1] and [K, BV] values."""
+    if cfg.pre_gates:
+        return (load_f32(r["gcum"], sl),
+                load_f32(r["gcum"], pl.ds(n * cfg.C + cfg.C - 1, 1))[None, :])
+    G = jnp.cumsum(load_f32(r["g"], sl))
+    return G, last(G)
 
 
 def scalar_decay(G, inclusive):
@@ -553,15 +584,19 @@ def store_lower_blocks(r, name, blocks, nb):
 def wu_from_t(r, cfg: KernelCfg):
     """W = T (beta Gam k), U0 = T (beta v) as whole-chunk [C, C] x [C, K / V] dots, T read back
     from the tmat buffer (written by this program behind a barrier, or by the solve kernel).
-    With cfg.pre_gates (channel gate) also the state passes' gated operands Gam q, exp(G_C - G) k
-    and exp(G_C), so that no [C, K] cumsum and exp runs on their sequential paths."""
+    With cfg.pre_gates also the state passes' gate operands, so that no cumsum (nor, for the
+    channel gate, a [C, K] exp) runs on their sequential paths: the scalar gate's chunk-local
+    cumulative gate G; the channel gate's Gam q, exp(G_C - G) k and exp(G_C)."""
     all_ = (slice(None), slice(None))
     t = load_f32(r["tmat"], all_)
     beta = load_f32(r["beta"], slice(None))[:, None]
     k = load_qk(r["k"], all_, cfg, False)
     x = beta * k
     if cfg.gate == "scalar":
-        x = x * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
+        G = jnp.cumsum(load_f32(r["g"], slice(None)))
+        x = x * jnp.exp(G)[:, None]
+        if cfg.pre_gates:
+            r["gcum"][:] = G
     elif cfg.gate == "channel":
         _, GC, gam, kdec, _ = chunk_gates(load_f32(r["g"], all_), "channel")
         x = x * gam
@@ -720,18 +755,6 @@ def _load_chunk(r, cfg, sl):
     return q, k, G, gam, kdec, dec
 
 
-def _gated_chunk(r, cfg, sl, n):
-    """One chunk's (Gam q, exp(G_C - G) k, exp(G_C) or None) for the state passes: stored by
-    K1b (cfg.pre_gates) or formed here from q, k and g."""
-    if cfg.pre_gates:
-        return (load_f32(r["qg"], (sl, slice(None))), load_f32(r["kg"], (sl, slice(None))),
-                load_f32(r["gend"], (n, slice(None)))[:, None])
-    q, k, _, gam, kdec, dec = _load_chunk(r, cfg, sl)
-    if dec is None:
-        return q, k, None
-    return q * gam, k * kdec, dec
-
-
 def _chunk_operators(r, cfg, sl, n):
     """Loads one chunk for the state passes: (q*Gam, k*exp(G_C-G), w, P, decay of S)."""
     C, low = cfg.C, cfg.low
@@ -777,8 +800,11 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
     """K2, lean: only the recurrence, two dots per chunk on the sequential path.
 
     Per chunk: stores h = S (the chunk's start state), U = U0 - W S ("v_new"), then
-    S <- exp(G_C) S + (exp(G_C - G) k)^T U. The output comes from `output_kernel`, in parallel
-    over chunks.
+    S <- exp(G_C) S + (exp(G_C - G) k)^T U. The scalar gate scales U's rows instead of k's
+    ([C, BV] products, not [C, K]; as fla's fwd_h), the channel gate's exp(G_C - G) k comes from
+    K1b, and every dot operand is loaded as stored (`load_dot`). H100, B1 T16384 H16 D128 bf16,
+    the scalar-gate pass alone: 0.56 ms with k gated and converted in registers, 0.33 like
+    this. The output comes from `output_kernel`, in parallel over chunks.
     """
     C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
     lo, hi = _chunk_range(r, cfg, nt_static)
@@ -789,106 +815,145 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
         r["h"][n, :, :] = s.astype(r["h"].dtype)
         u = load_f32(r["u0"], (sl, slice(None))) - mm(r["w"][sl, :], s, low)
         r["vn"][sl, :] = u.astype(r["vn"].dtype)
-        if cfg.pre_gates:
-            kd = load_f32(r["kg"], (sl, slice(None)))
-            dec = load_f32(r["gend"], (n, slice(None)))[:, None]
-        else:
-            k = load_qk(r["k"], (sl, slice(None)), cfg, False)
-            if cfg.gate == "none":
-                return s + mm_tn(k, u, low)
-            if cfg.gate == "scalar":
-                _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], sl), "scalar")
+        if cfg.gate == "channel":
+            if cfg.pre_gates:
+                kd = load_dot(r["kg"], (sl, slice(None)), cfg)
+                dec = load_f32(r["gend"], (n, slice(None)))[:, None]
             else:
+                k = load_qk(r["k"], (sl, slice(None)), cfg, False)
                 _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], (sl, slice(None))), "channel")
-            kd = k * kdec
-        return dec * s + mm_tn(kd, u, low)
+                kd = k * kdec
+            return dec * s + mm_tn(kd, u, low)
+        k = qk_operand(r["k"], (sl, slice(None)), cfg)
+        if cfg.gate == "none":
+            return s + mm_tn(k, u, low)
+        G, GC = scalar_chunk_gates(r, cfg, sl, n)
+        return jnp.exp(GC) * s + mm_tn(k, u * jnp.exp(GC - G[:, None]), low)
 
     s = lax.fori_loop(lo, hi, body, s)
     r["sT"][:, :] = s
 
 
-def _chunk_p(r, cfg, q):
-    """P of one chunk for the parallel kernels: mask(q k^T) * decay (no gate, scalar gate) or
-    K1's stored P (channel gate)."""
-    C, low = cfg.C, cfg.low
+def _chunk_p(r, cfg):
+    """P of one chunk for the parallel kernels: mask(q k^T) * scale * decay (no gate, scalar
+    gate; q, k as dot operands) or K1's stored P (channel gate, which includes the scale)."""
     all_ = (slice(None), slice(None))
     if cfg.gate == "channel":
         return load_f32(r["p"], all_)
-    p = mm_nt(q, load_qk(r["k"], all_, cfg, False), low)
+    G = None
     if cfg.gate == "scalar":
-        return p * scalar_decay(jnp.cumsum(load_f32(r["g"], slice(None))), True)
-    return jnp.where(iota((C, C), 0) >= iota((C, C), 1), p, 0.0)
+        G = (load_f32(r["gcum"], slice(None)) if cfg.pre_gates
+             else jnp.cumsum(load_f32(r["g"], slice(None))))
+    return _p_from_qk(qk_operand(r["q"], all_, cfg), qk_operand(r["k"], all_, cfg), cfg, G)
 
 
 def output_kernel(r, cfg: KernelCfg):
     """Output of one chunk (and V block), all chunks in parallel: O = (Gam q) h + P U, with h the
-    chunk's start state and U = v_new from the lean state pass."""
+    chunk's start state and U = v_new from the lean state pass. The scalar gate and the query
+    scale multiply the rows of q h rather than q."""
     low = cfg.low
     all_ = (slice(None), slice(None))
-    if cfg.pre_gates:                       # channel gate: Gam q from K1b, P from K1
-        qg, p = load_f32(r["qg"], all_), load_f32(r["p"], all_)
-    else:
-        q = load_qk(r["q"], all_, cfg, True)
-        p = _chunk_p(r, cfg, q)
-        if cfg.gate == "channel":
-            qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0))
-        elif cfg.gate == "scalar":
-            qg = q * jnp.exp(jnp.cumsum(load_f32(r["g"], slice(None))))[:, None]
+    h = r["h"][:, :]
+    if cfg.gate == "channel":
+        if cfg.pre_gates:                   # Gam q from K1b
+            qh = mm(load_dot(r["qg"], all_, cfg), h, low)
         else:
-            qg = q
-    o = mm(qg, r["h"][:, :], low) + mm(p, r["vn"][:, :], low)
+            q = load_qk(r["q"], all_, cfg, True)
+            qh = mm(q * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0)), h, low)
+    else:
+        qh = mm(qk_operand(r["q"], all_, cfg), h, low)
+        if cfg.gate == "scalar":
+            G = (load_f32(r["gcum"], slice(None)) if cfg.pre_gates
+                 else jnp.cumsum(load_f32(r["g"], slice(None))))
+            qh = qh * (cfg.scale * jnp.exp(G))[:, None]
+        else:
+            qh = qh * cfg.scale
+    o = qh + mm(_chunk_p(r, cfg), r["vn"][:, :], low)
     r["o"][:, :] = o.astype(r["o"].dtype)
 
 
-def _reverse_state_pass(r, cfg: KernelCfg, nt_static: int, operators):
+def _reverse_state_pass(r, cfg: KernelCfg, nt_static: int, du_local):
     """The reverse recurrence of both K3 forms, chunks last to first: stores dh = dS (the
     gradient of the state at the chunk's end) and dU = dU_local + (exp(G_C - G) k) dS, then
-    dS <- exp(G_C) dS + (Gam q)^T dO - W^T dU. `operators(sl, n, do)` gives one chunk's
-    (Gam q, exp(G_C - G) k, W, exp(G_C) or None, dU_local = P^T dO)."""
+    dS <- exp(G_C) dS + (Gam q)^T dO - W^T dU. Gates go on the smaller side where they can:
+    the scalar gate scales the rows of k dS and of dO ([C, BV]) instead of k and q ([C, K]),
+    the query scale goes on dO, and q, k, W are loaded as stored (`load_dot`); the channel
+    gate's Gam q and exp(G_C - G) k come from K1b (cfg.pre_gates) or are formed here.
+    `du_local(sl, n, do, q, k, G)` gives one chunk's P^T dO (q, k as dot operands, None for
+    the channel gate; G the scalar gate's cumulative gate)."""
     C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
     lo, hi = _chunk_range(r, cfg, nt_static)
     ds = load_f32(r["dsT"], (slice(None), slice(None))) if cfg.has_dsT else jnp.zeros((K, BV), F32)
+    all_k = slice(None)
 
     def body(i, ds):
         n = hi - 1 - i
         sl = pl.ds(n * C, C)
         r["dh"][n, :, :] = ds.astype(r["dh"].dtype)
-        do = r["do"][sl, :]
-        qg, kd, w, dec, du_local = operators(sl, n, do)
-        du = mm(kd, ds, low) + du_local
+        do = load_dot(r["do"], (sl, all_k), cfg)
+        w = r["w"][sl, :]
+        if cfg.gate == "channel":
+            qg, kd, dec = _gated_chunk(r, cfg, sl, n)
+            du = mm(kd, ds, low) + du_local(sl, n, do, None, None, None)
+            r["du"][sl, :] = du
+            return dec * ds + mm_tn(qg, do, low) - mm_tn(w, du, low)
+        q = qk_operand(r["q"], (sl, all_k), cfg)
+        k = qk_operand(r["k"], (sl, all_k), cfg)
+        if cfg.gate == "none":
+            du = mm(k, ds, low) + du_local(sl, n, do, q, k, None)
+            r["du"][sl, :] = du
+            return ds + mm_tn(q, do.astype(F32) * cfg.scale, low) - mm_tn(w, du, low)
+        G, GC = scalar_chunk_gates(r, cfg, sl, n)
+        du = jnp.exp(GC - G[:, None]) * mm(k, ds, low) + du_local(sl, n, do, q, k, G)
         r["du"][sl, :] = du
-        ds = ds if dec is None else dec * ds
-        return ds + mm_tn(qg, do, low) - mm_tn(w, du, low)
+        dog = do.astype(F32) * (cfg.scale * jnp.exp(G))[:, None]
+        return jnp.exp(GC) * ds + mm_tn(q, dog, low) - mm_tn(w, du, low)
 
     ds = lax.fori_loop(0, hi - lo, body, ds)
     r["ds0"][:, :] = ds
 
 
+def _gated_chunk(r, cfg, sl, n):
+    """The channel gate's (Gam q, exp(G_C - G) k, exp(G_C)) of one chunk for the state passes:
+    stored by K1b (cfg.pre_gates, loaded as dot operands) or formed here from q, k and g."""
+    if cfg.pre_gates:
+        return (load_dot(r["qg"], (sl, slice(None)), cfg),
+                load_dot(r["kg"], (sl, slice(None)), cfg),
+                load_f32(r["gend"], (n, slice(None)))[:, None])
+    q, k, _, gam, kdec, dec = _load_chunk(r, cfg, sl)
+    return q * gam, k * kdec, dec
+
+
+def _p_from_qk(q, k, cfg, G):
+    """P = mask(q k^T) * scale (* exp(G_i - G_j)) of one chunk, from q, k as dot operands."""
+    C = cfg.C
+    p = mm_nt(q, k, cfg.low)
+    if G is None:
+        return jnp.where(iota((C, C), 0) >= iota((C, C), 1), p * cfg.scale, 0.0)
+    return p * (cfg.scale * scalar_decay(G, True))
+
+
 def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
     """K3: the reverse state pass, recomputing P and P^T dO of each chunk on the way."""
-    def operators(sl, n, do):
-        qg, kd, w, p, dec = _chunk_operators(r, cfg, sl, n)
-        return qg, kd, w, dec, mm_tn(p, do, cfg.low)
+    def du_local(sl, n, do, q, k, G):
+        if cfg.gate == "channel":
+            return mm_tn(load_f32(r["p"], (sl, slice(None))), do, cfg.low)
+        return mm_tn(_p_from_qk(q, k, cfg, G), do, cfg.low)
 
-    _reverse_state_pass(r, cfg, nt_static, operators)
+    _reverse_state_pass(r, cfg, nt_static, du_local)
 
 
 def du_local_kernel(r, cfg: KernelCfg):
     """K3a: the state-free part of dU, P^T dO, of one chunk and V block, all chunks in parallel
     (fla's dv_local). The lean reverse state pass adds (exp(G_C - G) k) dS to it."""
     all_ = (slice(None), slice(None))
-    p = _chunk_p(r, cfg, load_qk(r["q"], all_, cfg, True))
-    r["du"][:, :] = mm_tn(p, load_f32(r["do"], all_), cfg.low)
+    r["du"][:, :] = mm_tn(_chunk_p(r, cfg), load_dot(r["do"], all_, cfg), cfg.low)
 
 
 def state_bwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
     """K3, lean: three dots per chunk and no P on the sequential path; dU_local comes from K3a
     and dU is written over it (the same buffer)."""
-    def operators(sl, n, do):
-        qg, kd, dec = _gated_chunk(r, cfg, sl, n)
-        return qg, kd, r["w"][sl, :], dec, r["du_local"][sl, :]
-
-    _reverse_state_pass(r, cfg, nt_static, operators)
+    _reverse_state_pass(r, cfg, nt_static, lambda sl, n, do, q, k, G: r["du_local"][sl, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -918,9 +983,11 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         """Loop over V blocks: a device loop (one body, fewer live registers than unrolled)."""
         return lax.fori_loop(0, nvb, f, init)
 
+    # Operands that only feed dots inside the V loops are loaded as stored (`load_dot`), so that
+    # the loop's loads can be pipelined through shared memory.
     def u_block(vs, w):
         if cfg.has_vn:
-            return load_f32(r["vn"], (slice(None), vs))
+            return load_dot(r["vn"], (slice(None), vs), cfg)
         return load_f32(r["u0"], (slice(None), vs)) - mm(w, load_f32(r["h"], (slice(None), vs)),
                                                          low)
 
@@ -930,7 +997,7 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         dq, dp = carry
         vs = pl.ds(jv * BVB, BVB)
         do = r["do"][:, vs]
-        dq = dq + mm_nt(do, load_f32(r["h"], (slice(None), vs)), low)
+        dq = dq + mm_nt(do, load_dot(r["h"], (slice(None), vs), cfg), low)
         dp = dp + mm_nt(do, u_block(vs, w), low)
         return dq, dp
 
@@ -974,10 +1041,10 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
     def b2(jv, carry):
         dkt, t4 = carry
         vs = pl.ds(jv * BVB, BVB)
-        dsp = load_f32(r["dh"], (slice(None), vs))
+        dsp = load_dot(r["dh"], (slice(None), vs), cfg)
         dkt = dkt + mm_nt(u_block(vs, w), dsp, low)
         if gated:
-            t4 = t4 + jnp.sum(load_f32(r["h"], (slice(None), vs)) * dsp, axis=1)
+            t4 = t4 + jnp.sum(load_f32(r["h"], (slice(None), vs)) * dsp.astype(F32), axis=1)
         return dkt, t4
 
     dkt, t4 = vloop(b2, (jnp.zeros((C, K), F32), jnp.zeros((K,), F32)))
@@ -1001,8 +1068,8 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         dy = mm_tn(load_f32(r["tmat"], all_), du, low)         # T^T dU
         r["dv"][:, vs] = (beta[:, None] * dy).astype(r["dv"].dtype)
         dbeta = dbeta + jnp.sum(dy * load_f32(r["v"], (slice(None), vs)), axis=1)
-        dmy = dmy + mm_nt(dy, load_f32(r["u0"], (slice(None), vs)), low)
-        dx = dx - mm_nt(dy, load_f32(r["h"], (slice(None), vs)), low)
+        dmy = dmy + mm_nt(dy, load_dot(r["u0"], (slice(None), vs), cfg), low)
+        dx = dx - mm_nt(dy, load_dot(r["h"], (slice(None), vs), cfg), low)
         return dx, dmy, dbeta
 
     # dx = T^T dW = -T^T dU S^T, dmy = dY U0^T
