@@ -422,6 +422,14 @@ TUNE = {
     "pairs_w2": dict(num_warps_pairs=2),
     "pairs_w8": dict(num_warps_pairs=8),
     "split_bwd_bv32_s3": dict(split_state_bwd=True, block_v=32, num_stages_state=3),
+    # one long sequence (B = 1): V blocks of 16 double the sequential programs
+    "state_bv16": dict(block_v=16),
+    "state_bv16_w2": dict(block_v=16, num_warps_state=2),
+    "state_bv64": dict(block_v=64),
+    "state_s2": dict(num_stages_state=2),
+    "state_s4": dict(num_stages_state=4),
+    "split_bwd_bv16": dict(split_state_bwd=True, block_v=16),
+    "nosplit_bwd": dict(split_state_bwd=False),
     "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),
     "combo_bv32": dict(split_intra=True, num_stages_state=3, split_state_bwd=True, block_v=32),
 }
@@ -644,6 +652,7 @@ def fla_profile(shape):
         from torch.profiler import ProfilerActivity, profile
         import fla.ops.common.chunk_o as _co
         _co.TRITON_ABOVE_3_7_1 = True
+        from fla.ops.delta_rule import chunk_delta_rule
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from fla.ops.kda import chunk_kda
     except Exception as e:  # noqa: BLE001
@@ -651,27 +660,29 @@ def fla_profile(shape):
         return
     q, k, v, g, gk, beta, do = fla_inputs(B, T, H, D)
     for op, f in (("gdn", lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0]),
+                  ("deltanet", lambda: chunk_delta_rule(q, k, v, beta)[0]),
                   ("kda", lambda: chunk_kda(q, k, v, gk, beta)[0])):
         if op not in OPS:
             continue
-        for _ in range(5):
-            f().backward(do)
-        torch.cuda.synchronize()
-        n = 10
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                f().backward(do)
+        for mode, step in (("fwd", lambda f=f: f()), ("fwdbwd", lambda f=f: f().backward(do))):
+            for _ in range(5):
+                step()
             torch.cuda.synchronize()
-        times = {}
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t:
-                times[ev.key[:60]] = t / n / 1e3
-        res[op] = times
-        log(f"[fla_profile] {key} {op} fwd+bwd total {sum(times.values()):.3f} ms")
-        for name, t in sorted(times.items(), key=lambda kv: -kv[1]):
-            log(f"    {t:8.3f} ms  {name}")
-        save()
+            n = 10
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    step()
+                torch.cuda.synchronize()
+            times = {}
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                if t:
+                    times[ev.key[:60]] = t / n / 1e3
+            res[f"{op}/{mode}"] = times
+            log(f"[fla_profile] {key} {op} {mode} total {sum(times.values()):.3f} ms")
+            for name, t in sorted(times.items(), key=lambda kv: -kv[1]):
+                log(f"    {t:8.3f} ms  {name}")
+            save()
 
 
 def memory(shape, who):
