@@ -347,6 +347,7 @@ def bench_fla(shape):
         try:
             res[f"{op}/fla/fwd"] = bench(f)
             log(f"[fla]   {key} {op}/fla/fwd {res[f'{op}/fla/fwd']:8.3f} ms")
+            save()      # fla's first fwd+bwd autotunes for minutes; keep the fwd if it is cut
 
             def fb():
                 f().backward(do)
