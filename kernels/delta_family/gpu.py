@@ -529,18 +529,22 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
     solve_ins = [x for x in ins if x[0] != "v"]
     if kc.gate == "channel":
         # K1d: the diagonal 16x16 blocks of M and P, one program per token; K1p: the other
-        # blocks around them (in place); the solve then overwrites M with T in place.
+        # blocks around them (in place); the solve then overwrites M with T in place. P is
+        # stored in the inter dtype: every reader uses it as a dot operand only (O, P^T dO),
+        # which rounds it to bf16 for bf16 inputs anyway, so bf16 storage changes no bit and
+        # lets the readers load it as stored.
+        pmat = _sds((B, Tp, H, C), outs[0][1].dtype)
         bh = math.gcd(bs.diag_heads, H)
         ts = _token_specs(C, bh)
         d = _call(functools.partial(gk.channel_diag_fwd_kernel, cfg=kc), (Tp, H // bh, B),
                   [(n, a, ts["block"](kc.K) if n != "beta" else ts["bvec"])
                    for n, a, _ in solve_ins],
-                  [("tmat", tmat[1], ts["drow"]), ("p", tmat[1], ts["drow"])],
+                  [("tmat", tmat[1], ts["drow"]), ("p", pmat, ts["drow"])],
                   name="delta_intra_diag", num_warps=bs.num_warps_diag, num_stages=1,
                   interpret=st.interpret)
         r = _call(functools.partial(gk.channel_pairs_kernel, cfg=kc), (NT, B, H),
                   solve_ins + [("m_d", d["tmat"], rows(C)), ("p_d", d["p"], rows(C))],
-                  [tmat, ("p", tmat[1], rows(C))], name="delta_intra_pairs",
+                  [tmat, ("p", pmat, rows(C))], name="delta_intra_pairs",
                   num_warps=bs.num_warps_pairs, num_stages=1, interpret=st.interpret,
                   aliases={"m_d": "tmat", "p_d": "p"})
         if not kc.fuse_solve:

@@ -652,7 +652,7 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     p0 = jnp.where(cols == i, jnp.sum(qi * ki, axis=1)[:, None], 0.0)     # empty segment
     _, a, p = lax.fori_loop(0, i, body, (jnp.zeros_like(ki), jnp.zeros_like(p0), p0))
     r["tmat"][...] = load_f32(r["beta"], (i, slice(None)))[:, None] * a
-    r["p"][...] = p
+    r["p"][...] = p.astype(r["p"].dtype)
 
 
 def pair_factors(g):
@@ -736,7 +736,8 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
     for i in range(nb):
         for j in range(nb):
             if j != i:
-                r["p"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = P[i, j] if j < i else zero
+                r["p"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = (
+                    P[i, j] if j < i else zero).astype(r["p"].dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -761,7 +762,7 @@ def _chunk_operators(r, cfg, sl, n):
     w = r["w"][sl, :]
     if cfg.gate == "channel":
         qg, kd, dec = _gated_chunk(r, cfg, sl, n)
-        return qg, kd, w, load_f32(r["p"], (sl, slice(None))), dec
+        return qg, kd, w, load_dot(r["p"], (sl, slice(None)), cfg), dec
     q, k, G, gam, kdec, dec = _load_chunk(r, cfg, sl)
     p = mm_nt(q, k, low)
     if cfg.gate == "none":
@@ -839,7 +840,7 @@ def _chunk_p(r, cfg):
     gate; q, k as dot operands) or K1's stored P (channel gate, which includes the scale)."""
     all_ = (slice(None), slice(None))
     if cfg.gate == "channel":
-        return load_f32(r["p"], all_)
+        return load_dot(r["p"], all_, cfg)
     G = None
     if cfg.gate == "scalar":
         G = (load_f32(r["gcum"], slice(None)) if cfg.pre_gates
@@ -937,7 +938,7 @@ def state_bwd_kernel(r, cfg: KernelCfg, nt_static: int):
     """K3: the reverse state pass, recomputing P and P^T dO of each chunk on the way."""
     def du_local(sl, n, do, q, k, G):
         if cfg.gate == "channel":
-            return mm_tn(load_f32(r["p"], (sl, slice(None))), do, cfg.low)
+            return mm_tn(load_dot(r["p"], (sl, slice(None)), cfg), do, cfg.low)
         return mm_tn(_p_from_qk(q, k, cfg, G), do, cfg.low)
 
     _reverse_state_pass(r, cfg, nt_static, du_local)
