@@ -20,7 +20,7 @@ Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks
                       (diagonal 16x16 blocks, one token and a few heads per program, grid
                       (Tp, H/bh, B)) and K1p (the others, in pieces of K columns), and K1b
                       also stores the state passes' gated operands Gam q, exp(G_C - G) k and
-                      exp(G_C)
+                      exp(G_C) (for GDN: the chunk-local cumulative gate)
             K2 state  grid (NS, H, V/BV): sequential over chunks; lean (default): only
                       U = U0 - W S (stored, "v_new"), the state update and h per chunk, two
                       dots per chunk on the sequential path; fused (fuse_output=True): also

@@ -835,16 +835,23 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
     r["sT"][:, :] = s
 
 
-def _chunk_p(r, cfg):
+def _chunk_cumulative_gate(r, cfg):
+    """The scalar gate's cumulative gate G of the whole chunk for the parallel kernels: K1b's
+    stored one (cfg.pre_gates) or summed here from g; None for the other gates."""
+    if cfg.gate != "scalar":
+        return None
+    if cfg.pre_gates:
+        return load_f32(r["gcum"], slice(None))
+    return jnp.cumsum(load_f32(r["g"], slice(None)))
+
+
+def _chunk_p(r, cfg, G):
     """P of one chunk for the parallel kernels: mask(q k^T) * scale * decay (no gate, scalar
-    gate; q, k as dot operands) or K1's stored P (channel gate, which includes the scale)."""
+    gate with cumulative gate G; q, k as dot operands) or K1's stored P (channel gate, which
+    includes the scale)."""
     all_ = (slice(None), slice(None))
     if cfg.gate == "channel":
         return load_dot(r["p"], all_, cfg)
-    G = None
-    if cfg.gate == "scalar":
-        G = (load_f32(r["gcum"], slice(None)) if cfg.pre_gates
-             else jnp.cumsum(load_f32(r["g"], slice(None))))
     return _p_from_qk(qk_operand(r["q"], all_, cfg), qk_operand(r["k"], all_, cfg), cfg, G)
 
 
@@ -855,6 +862,7 @@ def output_kernel(r, cfg: KernelCfg):
     low = cfg.low
     all_ = (slice(None), slice(None))
     h = r["h"][:, :]
+    G = _chunk_cumulative_gate(r, cfg)
     if cfg.gate == "channel":
         if cfg.pre_gates:                   # Gam q from K1b
             qh = mm(load_dot(r["qg"], all_, cfg), h, low)
@@ -864,12 +872,10 @@ def output_kernel(r, cfg: KernelCfg):
     else:
         qh = mm(qk_operand(r["q"], all_, cfg), h, low)
         if cfg.gate == "scalar":
-            G = (load_f32(r["gcum"], slice(None)) if cfg.pre_gates
-                 else jnp.cumsum(load_f32(r["g"], slice(None))))
             qh = qh * (cfg.scale * jnp.exp(G))[:, None]
         else:
             qh = qh * cfg.scale
-    o = qh + mm(_chunk_p(r, cfg), r["vn"][:, :], low)
+    o = qh + mm(_chunk_p(r, cfg, G), r["vn"][:, :], low)
     r["o"][:, :] = o.astype(r["o"].dtype)
 
 
@@ -948,7 +954,8 @@ def du_local_kernel(r, cfg: KernelCfg):
     """K3a: the state-free part of dU, P^T dO, of one chunk and V block, all chunks in parallel
     (fla's dv_local). The lean reverse state pass adds (exp(G_C - G) k) dS to it."""
     all_ = (slice(None), slice(None))
-    r["du"][:, :] = mm_tn(_chunk_p(r, cfg), load_dot(r["do"], all_, cfg), cfg.low)
+    p = _chunk_p(r, cfg, _chunk_cumulative_gate(r, cfg))
+    r["du"][:, :] = mm_tn(p, load_dot(r["do"], all_, cfg), cfg.low)
 
 
 def state_bwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
