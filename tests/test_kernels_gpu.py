@@ -377,22 +377,17 @@ def test_validation_errors():
         f(q, k, v, beta, g, cu_seqlens=np.array([0, 5, T - 1], np.int32))
     with pytest.raises(TypeError, match="`cu_seqlens`"):
         f(q, k, v, beta, g, cu_seqlens=np.array([0.0, T]))
-    with pytest.raises(ValueError, match="block_v"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(block_v=24))
-    with pytest.raises(ValueError, match="block_v_out"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(block_v_out=64))     # > V = 32
-    with pytest.raises(ValueError, match="merge_dots"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(merge_dots=4))
-    with pytest.raises(ValueError, match="num_warps_solve"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_warps_solve=3))
-    with pytest.raises(ValueError, match="num_stages_state"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_stages_state=0))
-    with pytest.raises(ValueError, match="diag_heads"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(diag_heads=3))
-    with pytest.raises(ValueError, match="block_k_pairs_bwd"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(block_k_pairs_bwd=8))
-    with pytest.raises(ValueError, match="num_warps_pairs"):
-        f(q, k, v, beta, g, block_sizes=GpuBlockSizes(num_warps_pairs=0))
+    bad_block_sizes = [("block_v", dict(block_v=24)),
+                       ("block_v_out", dict(block_v_out=64)),        # > V = 32
+                       ("merge_dots", dict(merge_dots=4)),
+                       ("num_warps_solve", dict(num_warps_solve=3)),
+                       ("num_stages_state", dict(num_stages_state=0)),
+                       ("diag_heads", dict(diag_heads=3)),
+                       ("block_k_pairs_bwd", dict(block_k_pairs_bwd=8)),
+                       ("num_warps_pairs", dict(num_warps_pairs=0))]
+    for name, kw in bad_block_sizes:
+        with pytest.raises(ValueError, match=name):
+            f(q, k, v, beta, g, block_sizes=GpuBlockSizes(**kw))
 
 
 # ---------------------------------------------------------------------------------------------
