@@ -27,7 +27,8 @@ Parts (env PARTS, comma separated, default "check,bench,fla,tune"):
 Rough durations (compiles included): check 5-8 min, bench 3-5 min per shape, tune 3-5 min; the
 command limit is 10 min, so run e.g. PARTS=check, then PARTS=bench,fla, then PARTS=tune.
 Env: SHAPES="4,4096,16,128;1,16384,16,128" (B,T,H,D; ';' separated), OPS="gdn,deltanet,kda",
-     VARIANTS="pallas,pallas_h16,xla", REPS (timed repetitions, default 30), OUT (JSON goes to
+     VARIANTS="pallas,pallas_h16,xla", CHECK_VARIANT (a TUNE entry for the checks' block
+     sizes), FLA_PROFILE_MODES ("fwd,fwdbwd"), REPS (timed repetitions, default 30), OUT (JSON goes to
      $OUT/gpu_delta_family.json), INTERPRET=1 (Pallas interpret mode: a CPU smoke test of this
      script, e.g. PARTS=bench SHAPES=1,64,1,16 REPS=2). Every variant runs in its own try/except.
 """
@@ -147,7 +148,7 @@ def check_shape(name, B, T, H, K, V, gate, dtype, cu=None, chunk=64):
         return gpu.chunk_delta_family_gpu(
             q, k, v, beta, g, scale=scale, initial_state=s0, output_final_state=True,
             chunk_size=chunk, cu_seqlens=None if cu is None else jnp.asarray(cu, jnp.int32),
-            interpret=INTERPRET)
+            interpret=INTERPRET, block_sizes=CHECK_BLOCKS)
 
     def ref(q, k, v, beta, g, s0):
         f = lambda x: None if x is None else x.astype(jnp.float32)   # noqa: E731
@@ -210,6 +211,7 @@ def run_checks():
         cases.append((f"{gate}/bf16/varlen/T777H4D128",
                       (1, 777, 4, 128, 128, gate, jnp.bfloat16), 64, [0, 100, 101, 600, 777]))
     only = os.environ.get("CHECKS")
+    log(f"[check] block sizes: TUNE entry {CHECK_VARIANT!r}")
     for case in cases:
         name, shp = case[0], case[1]
         if only and not any(part in name for part in only.split(",")):
@@ -420,7 +422,26 @@ TUNE = {
     "pairs_bk64": dict(block_k_pairs=64),
     "pairs_bwd_bk128": dict(block_k_pairs_bwd=128),
     "pairs_fused_solve": dict(fuse_pairs_solve=True),
+    "pairs_fused_w2": dict(fuse_pairs_solve=True, num_warps_pairs=2),
+    "pairs_fused_w8": dict(fuse_pairs_solve=True, num_warps_pairs=8),
+    "out_bv64_w2": dict(block_v_out=64, num_warps_out=2),
+    "out_bk64": dict(block_k_out=64),
+    "out_bk64_s2": dict(block_k_out=64, num_stages_out=2),
+    "out_bk64_s3": dict(block_k_out=64, num_stages_out=3),
+    "out_bk32_s3": dict(block_k_out=32, num_stages_out=3),
+    "out_bk64_s2_w8": dict(block_k_out=64, num_stages_out=2, num_warps_out=8),
+    "out_bk64_s2_bv64": dict(block_k_out=64, num_stages_out=2, block_v_out=64),
+    "pairs_bk64_w2": dict(block_k_pairs=64, num_warps_pairs=2),
+    "s1_w8": dict(num_warps_solve=1, num_warps_intra=8),
+    "s1_w8_obk64_s2": dict(num_warps_solve=1, num_warps_intra=8, block_k_out=64,
+                           num_stages_out=2),
+    "s1_w8_obk64_s3": dict(num_warps_solve=1, num_warps_intra=8, block_k_out=64,
+                           num_stages_out=3),
     "pairs_w2": dict(num_warps_pairs=2),
+    "pairs_w4": dict(num_warps_pairs=4),
+    "out_whole": dict(block_k_out=128, num_stages_out=1),
+    "solve_w2": dict(num_warps_solve=2),
+    "pairs_w4_out_whole": dict(num_warps_pairs=4, block_k_out=128, num_stages_out=1),
     "pairs_w8": dict(num_warps_pairs=8),
     "split_bwd_bv32_s3": dict(split_state_bwd=True, block_v=32, num_stages_state=3),
     # one long sequence (B = 1): V blocks of 16 double the sequential programs
@@ -442,12 +463,18 @@ def tune(shape):
 
 
 def tune_op(shape, op):
+    """Whole-op times of the TUNE entries in TUNE_ONLY; TUNE_ROUNDS > 1 times them round-robin
+    that many times (compiled once) and keeps each one's best round, so that drifting clocks
+    or a neighbour's load do not favour whichever variant ran first. TUNE_MODES: fwd, fwdbwd."""
     B, T, H, D = shape
     key = "x".join(map(str, shape))
     res = RESULTS.setdefault("tune", {}).setdefault(key, {})
     q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
     scale = 1.0 / math.sqrt(D)
     only = os.environ.get("TUNE_ONLY")
+    modes = os.environ.get("TUNE_MODES", "fwd,fwdbwd").split(",")
+    rounds = int(os.environ.get("TUNE_ROUNDS", "1"))
+    runs = []
     for name, kw in TUNE.items():
         if only and name not in only.split(","):
             continue
@@ -462,14 +489,26 @@ def tune_op(shape, op):
 
         for mode, fn, args in (("fwd", jax.jit(fwd), (q, k, v, beta, g)),
                                ("fwdbwd", jax.jit(fwdbwd), (q, k, v, beta, g, do))):
+            if mode in modes:
+                runs.append((f"{op}/{name}/{mode}", fn, args))
+    best = {}
+    for rnd in range(rounds):
+        for label, fn, args in runs:
             try:
-                res[f"{op}/{name}/{mode}"] = ms = time_jax(fn, *args)
-                log(f"[tune]  {key} {op} {name:14s} {mode:7s} {ms:8.3f} ms")
+                ms = time_jax(fn, *args)
+                best[label] = min(ms, best.get(label, ms))
+                res[label] = best[label]
+                if rounds > 1:
+                    res.setdefault(label + "/rounds", []).append(ms)
+                log(f"[tune]  {key} {label:34s} {ms:8.3f} ms" + (f"  (round {rnd})" if rounds > 1
+                                                                   else ""))
             except Exception as e:  # noqa: BLE001
-                res[f"{op}/{name}/{mode}"] = f"error: {type(e).__name__}: {str(e)[:300]}"
-                log(f"[tune]  {key} {op} {name:14s} {mode:7s} ERROR {type(e).__name__}: "
-                    f"{str(e)[:1000]}")
+                res[label] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                log(f"[tune]  {key} {label} ERROR {type(e).__name__}: {str(e)[:1000]}")
             save()
+    if rounds > 1:
+        for label in best:
+            log(f"[tune]  {key} {label:34s} best {best[label]:8.3f} ms")
 
 
 # Which kernels a TUNE entry changes: the stage timings of a variant time only those (the
@@ -609,25 +648,31 @@ def kernels_variant(shape, variant):
 
 
 def probe(shape):
-    """Diagnostics of K1 (gdn, kda): the kernel as is, then with the 16x16 forward substitution
-    replaced by the identity and with the block merges dropped (wrong results, timing only), to
-    see what the serial parts of the blocked inverse cost."""
+    """Diagnostics of K1 (gdn, kda): the intra-chunk forward as is, then with the 16x16 diagonal
+    inverses replaced by the identity and with the block merges (and Neumann products) cut to
+    one bf16 dot per product (wrong or less accurate results, timing only), to see what the
+    serial parts of the blocked inverse cost."""
     B, T, H, D = shape
     key = "x".join(map(str, shape))
     res = RESULTS.setdefault("probe", {}).setdefault(key, {})
     gk = sys.modules[gpu.__name__.rsplit(".", 1)[0] + ".gpu_kernels"]
-    real_inv, real_mm = gk.inv_unit_lower_multi, gk.mm
-    eye = lambda ms: [jnp.eye(m.shape[0], dtype=jnp.float32) + 0 * m for m in ms]   # noqa: E731
+    real = (gk.inv_unit_lower_multi, gk.inv_unit_lower_products, gk.mm, gk._dot)
+    eyes = lambda ms: [jnp.eye(m.shape[0], dtype=jnp.float32) + 0 * m for m in ms]   # noqa: E731
+    eye = lambda m: eyes([m])[0]                                                    # noqa: E731
 
     def cheap_mm(a, b, low, exact=False):
-        return real_mm(a, b, low, False if exact in (True, 3) else exact)
+        return real[2](a, b, low, False if exact in (True, 3) else exact)
+
+    def cheap_dot(a, b, dims, low, exact=False):
+        return real[3](a, b, dims, low, False if exact in (True, 3) else exact)
 
     for op in [o for o in OPS if o != "deltanet"]:
         q, k, v, beta, g, do = make_inputs(B, T, H, D, D, GATE_OF[op], jnp.bfloat16)
-        for name, inv, mm in (("K1", real_inv, real_mm), ("K1 no-fwd-subst", eye, real_mm),
-                              ("K1 bf16-merges", real_inv, cheap_mm),
-                              ("K1 neither", eye, cheap_mm)):
-            gk.inv_unit_lower_multi, gk.mm = inv, mm
+        for name, patch in (("K1", real),
+                            ("K1 no-diag-inverse", (eyes, eye) + real[2:]),
+                            ("K1 one-dot-products", real[:2] + (cheap_mm, cheap_dot)),
+                            ("K1 neither", (eyes, eye, cheap_mm, cheap_dot))):
+            (gk.inv_unit_lower_multi, gk.inv_unit_lower_products, gk.mm, gk._dot) = patch
             try:
                 q_, k_, v_, beta_, g_, s0, cu, st = gpu._prepare(
                     q, k, v, beta, g, 1.0 / math.sqrt(D), None, False, 64, None, False,
@@ -635,11 +680,11 @@ def probe(shape):
                 k1 = jax.jit(lambda q, k, v, beta, g, st=st: gpu._intra_forward(
                     st, q, k, v, beta, g, True))
                 res[f"{op}/{name}"] = ms = time_jax(k1, q_, k_, v_, beta_, g_)
-                log(f"[probe] {key} {op} {name:18s} {ms:8.3f} ms")
+                log(f"[probe] {key} {op} {name:20s} {ms:8.3f} ms")
             except Exception as e:  # noqa: BLE001
                 log(f"[probe] {key} {op} {name} ERROR {type(e).__name__}: {str(e)[:800]}")
             finally:
-                gk.inv_unit_lower_multi, gk.mm = real_inv, real_mm
+                (gk.inv_unit_lower_multi, gk.inv_unit_lower_products, gk.mm, gk._dot) = real
         save()
 
 
@@ -666,6 +711,8 @@ def fla_profile(shape):
         if op not in OPS:
             continue
         for mode, step in (("fwd", lambda f=f: f()), ("fwdbwd", lambda f=f: f().backward(do))):
+            if mode not in os.environ.get("FLA_PROFILE_MODES", "fwd,fwdbwd").split(","):
+                continue
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
@@ -743,6 +790,10 @@ def table():
                     elif val is not None:
                         row.append(f"{variant}=ERR")
                 log("  " + "  ".join(row))
+
+
+CHECK_VARIANT = os.environ.get("CHECK_VARIANT", "default")
+CHECK_BLOCKS = gpu.GpuBlockSizes(**TUNE[CHECK_VARIANT])
 
 
 def main():

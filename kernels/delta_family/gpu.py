@@ -106,12 +106,16 @@ class GpuBlockSizes:
                    for no gate (equal or faster) and the channel gate (H100, B4 T4096 H16
                    D128: one pass 0.46 ms against 0.13 + 0.52 split).
     split_intra:   True (default): K1 as two kernels, as fla splits it: K1a (num_warps_solve
-                   warps) forms A and its blocked inverse T, stored in float32; K1b
+                   warps) forms A and its blocked inverse T (stored in the input dtype for
+                   bf16 inputs, whose readers round it to bf16 anyway, else float32); K1b
                    (num_warps_intra warps) reads T back and forms W, U0 as whole-chunk dots.
                    The 16x16 steps of the inverse then run on fewer warps than the [C, K] dots
                    want. For the channel gate A (and P) come first from K1d (diagonal blocks,
                    one program per token) and K1p (the other blocks). False: one kernel.
-    num_warps_solve: warps of K1a (None: 2).
+    num_warps_solve: warps of K1a (None: 1). Its 16x16 steps are a serial chain of small dots,
+                   each a layout round trip, so more programs per SM beat more warps per
+                   program: H100, B1 T16384 H16 D128 bf16, GDN's K1a 0.155 ms on 2 warps,
+                   0.119 on 1, 0.207 on 4; KDA's solve 0.118 -> 0.078 (H200) on 1.
     num_warps_diag: warps of the channel gate's diagonal-block kernels K1d and K4d, one
                    program per token and diag_heads heads (None: 1).
     diag_heads:    heads per K1d / K4d program (None: 4), a power of two; programs take the
@@ -125,10 +129,21 @@ class GpuBlockSizes:
     fuse_pairs_solve: KDA: K1p also forms the blocked inverse T from its blocks in registers and
                    K1d's diagonal blocks, as fla's inter + solve kernel, so that M makes no
                    round trip through memory and the solve kernel is skipped (None: False).
-                   H100, B1 T16384 H16 D128 bf16, each kernel alone: 0.483 ms fused against
-                   0.375 + 0.169 split; off until its GPU correctness check and whole-op time.
-    num_warps_pairs: warps of K1p and K4b (None: 4). H100, B4 T4096 H16 D128 bf16: K1p 0.39 ms
-                   at 128 columns and 4 warps (0.45 at 64, 0.55 on 8 warps); K4b 1.61 at 64
+                   H100, B1 T16384 H16 D128 bf16, each kernel alone: 0.381 ms fused against
+                   0.322 + 0.116 split, but the whole forward at B4 T4096 took the same time
+                   (1.204 vs 1.202 ms), so it stays off.
+    block_k_out:   K columns per piece of the output kernel's loop over K, as fla's output
+                   kernel (the whole row with in-kernel q/k normalisation). None: 64 for the
+                   channel gate, K (no loop) otherwise. H200, B1 T16384 H16 D128 bf16, each
+                   kernel alone: KDA 0.140 ms unlooped, 0.120 at 64 columns and two stages;
+                   GDN 0.141 unlooped, 0.130 at 64 and three stages, but no faster in the whole
+                   forward.
+    num_stages_out: pipeline stages of that loop (None: 2 for the channel gate, else 1).
+    num_warps_pairs: warps of K1p (None: 2). H200, B1 T16384 H16 D128 bf16, blocks in order
+                   (each pairing with the earlier ones): 0.233 ms on 2 warps, 0.29 on 4, 0.26
+                   at 64 columns on 2. H100, before that order: 0.39 ms at 128 columns and 4
+                   warps (0.45 at 64, 0.55 on 8).
+    num_warps_pairs_bwd: warps of K4b (None: 4). H100, B4 T4096 H16 D128 bf16: 1.61 ms at 64
                    columns and 4 warps, 1.65 at 128 on 8, 1.99 at 128 on 4.
     diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
                    Neumann series as three squarings and three products on tensor cores) or
@@ -160,7 +175,10 @@ class GpuBlockSizes:
     block_k_pairs: int | None = None
     block_k_pairs_bwd: int | None = None
     num_warps_pairs: int | None = None
+    num_warps_pairs_bwd: int | None = None
     fuse_pairs_solve: bool | None = None
+    block_k_out: int | None = None
+    num_stages_out: int | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -230,13 +248,16 @@ class GpuBlockSizes:
             split_state_bwd=(gate == "scalar" if self.split_state_bwd is None
                              else self.split_state_bwd),
             split_intra=split_intra,
-            num_warps_solve=_given(self.num_warps_solve, 2),
+            num_warps_solve=_given(self.num_warps_solve, 1),
             num_warps_diag=_given(self.num_warps_diag, 1),
             diag_heads=_given(self.diag_heads, 4),
             block_k_pairs=_given(self.block_k_pairs, 128),
             block_k_pairs_bwd=_given(self.block_k_pairs_bwd, 64),
-            num_warps_pairs=_given(self.num_warps_pairs, 4),
-            fuse_pairs_solve=bool(self.fuse_pairs_solve))
+            num_warps_pairs=_given(self.num_warps_pairs, 2),
+            num_warps_pairs_bwd=_given(self.num_warps_pairs_bwd, 4),
+            fuse_pairs_solve=bool(self.fuse_pairs_solve),
+            block_k_out=_given(self.block_k_out, 64 if gate == "channel" else K),
+            num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,12 +365,12 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two >= 16 "
                              f"dividing V = {V}; got {b!r}.")
     for name in ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
-                 "num_warps_out", "num_warps_diag", "num_warps_pairs"):
+                 "num_warps_out", "num_warps_diag", "num_warps_pairs", "num_warps_pairs_bwd"):
         w = getattr(bs, name)
         if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from "
                              f"1 to 32 (warps per program); got {w!r}.")
-    for name in ("block_k_pairs", "block_k_pairs_bwd"):
+    for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out"):
         b = getattr(bs, name)
         if not _is_int(b) or b < 16 or b & (b - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two "
@@ -358,7 +379,7 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
     if not _is_int(d) or d < 1 or d & (d - 1):
         raise ValueError(f"{_FN}: argument `block_sizes.diag_heads` must be a power of two >= 1 "
                          f"(heads per diagonal-block program); got {d!r}.")
-    for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd"):
+    for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd", "num_stages_out"):
         n = getattr(bs, name)
         if not _is_int(n) or n < 1:
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a positive integer "
@@ -526,11 +547,17 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
     kc, bs = st.kc, st.bs
     B, Tp, H, _ = outs[0][1].shape
     C, NT = kc.C, outs[0][1].shape[1] // kc.C
-    tmat = ("tmat", _sds((B, Tp, H, C), F32), rows(C))
+    # T is stored in the input dtype for bf16 inputs: its readers (K1b's W = T X, U0 = T Y and
+    # K4's T^T dU) use it only as a bf16 dot operand, so no bit changes, half its traffic, and
+    # they load it as stored. M (KDA) and the wide A, which the inverse reads, stay float32 in
+    # their own buffer.
+    tmat = ("tmat", _sds((B, Tp, H, C), jnp.bfloat16 if kc.low else F32), rows(C))
+    mbuf = ("m", _sds((B, Tp, H, C), F32), rows(C))
     solve_ins = [x for x in ins if x[0] != "v"]
     if kc.gate == "channel":
         # K1d: the diagonal 16x16 blocks of M and P, one program per token; K1p: the other
-        # blocks around them (in place); the solve then overwrites M with T in place. P is
+        # blocks around them (in place); the solve then reads M and writes T (fuse_solve:
+        # K1p forms T itself). P is
         # stored in the inter dtype: every reader uses it as a dot operand only (O, P^T dO),
         # which rounds it to bf16 for bf16 inputs anyway, so bf16 storage changes no bit and
         # lets the readers load it as stored.
@@ -540,24 +567,30 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
         d = _call(functools.partial(gk.channel_diag_fwd_kernel, cfg=kc), (Tp, H // bh, B),
                   [(n, a, ts["block"](kc.K) if n != "beta" else ts["bvec"])
                    for n, a, _ in solve_ins],
-                  [("tmat", tmat[1], ts["drow"]), ("p", pmat, ts["drow"])],
+                  [("m", mbuf[1], ts["drow"]), ("p", pmat, ts["drow"])],
                   name="delta_intra_diag", num_warps=bs.num_warps_diag, num_stages=1,
                   interpret=st.interpret)
-        r = _call(functools.partial(gk.channel_pairs_kernel, cfg=kc), (NT, B, H),
-                  solve_ins + [("m_d", d["tmat"], rows(C)), ("p_d", d["p"], rows(C))],
-                  [tmat, ("p", pmat, rows(C))], name="delta_intra_pairs",
-                  num_warps=bs.num_warps_pairs, num_stages=1, interpret=st.interpret,
-                  aliases={"m_d": "tmat", "p_d": "p"})
-        if not kc.fuse_solve:
-            solve_ins = [x for x in ins if x[0] == "beta"] + [("m", r["tmat"], rows(C))]
+        pair_ins = solve_ins + [("m_d", d["m"], rows(C)), ("p_d", d["p"], rows(C))]
+        if kc.fuse_solve:       # T straight from the blocks: M is read, never written back
+            r = _call(functools.partial(gk.channel_pairs_kernel, cfg=kc), (NT, B, H),
+                      pair_ins, [tmat, ("p", pmat, rows(C))], name="delta_intra_pairs",
+                      num_warps=bs.num_warps_pairs, num_stages=1, interpret=st.interpret,
+                      aliases={"p_d": "p"})
+        else:
+            r = _call(functools.partial(gk.channel_pairs_kernel, cfg=kc), (NT, B, H),
+                      pair_ins, [mbuf, ("p", pmat, rows(C))], name="delta_intra_pairs",
+                      num_warps=bs.num_warps_pairs, num_stages=1, interpret=st.interpret,
+                      aliases={"m_d": "m", "p_d": "p"})
+            solve_ins = [x for x in ins if x[0] == "beta"] + [("m", r["m"], rows(C))]
             r.update(_call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True,
                                              part="solve"),
                            (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
-                           num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret,
-                           aliases={"m": "tmat"}))
+                           num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret))
     else:
+        # The wide A goes through a float32 scratch buffer that the inverse reads back.
+        scratch = [("ascr", mbuf[1], rows(C))] if kc.wide else []
         r = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
-                  (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
+                  (NT, B, H), solve_ins, [tmat] + scratch, name="delta_intra_solve",
                   num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret)
     wu_ins = [x for x in ins if x[0] != "q" or kc.pre_gates] + [("tmat", r["tmat"], rows(C))]
     if kc.pre_gates and kc.gate == "scalar":
@@ -639,7 +672,7 @@ def _output(st: _Static, q, k, v, g, r1, r2):
     outs = [("o", _sds((B, Tp, H, V), v.dtype), vrows)]
     # V blocks vary fastest: the programs of one chunk run together and share q, k in L2.
     return _call(functools.partial(gk.output_kernel, cfg=kc), (V // bvo, NT, B, H), ins, outs,
-                 name="delta_output", num_warps=bs.num_warps_out, num_stages=1,
+                 name="delta_output", num_warps=bs.num_warps_out, num_stages=bs.num_stages_out,
                  interpret=st.interpret)["o"]
 
 
@@ -805,7 +838,7 @@ def _intra_backward(st: _Static, q, k, v, beta, g, res, do, r3):
                 ("dbeta", _sds(beta.shape, beta.dtype), vec)]
         kc5 = dataclasses.replace(kc, block_k_pairs=bs.block_k_pairs_bwd)
         r5 = _call(functools.partial(gk.intra_bwd_channel_kernel, cfg=kc5), (NT, B, H), ins,
-                   outs, name="delta_intra_bwd_kda", num_warps=bs.num_warps_pairs,
+                   outs, name="delta_intra_bwd_kda", num_warps=bs.num_warps_pairs_bwd,
                    num_stages=bs.num_stages_bwd, interpret=st.interpret)
         r4.update(r5)
     return r4
@@ -934,7 +967,8 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       diag_products=bs.diag_inverse == "products",
                       block_k_pairs=bs.block_k_pairs,
                       pre_gates=gate != "none" and bool(bs.split_intra),
-                      fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve))
+                      fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve),
+                      block_k_out=bs.block_k_out)
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 

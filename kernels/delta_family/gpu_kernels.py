@@ -89,6 +89,7 @@ class KernelCfg:
     #                              gate's cumulative gate; the channel gate's Gam q,
     #                              exp(G_C - G) k and exp(G_C)
     fuse_solve: bool = False     # channel gate: K1p also forms the inverse T (no solve kernel)
+    block_k_out: int = 128       # K columns per piece of the output kernel's loop
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,9 +436,9 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
 
     sub-blocks: A, W and U0 as 16-row sub-block dots (the tile the blocked inverse works in).
     wide:       A = K K^T as one [C, C] dot (no gate / scalar gate; the channel gate keeps its
-                factored sub-blocks), masked, scaled by beta and stored in the T output buffer,
-                whose 16x16 blocks the inverse reads back; the inverse's blocks go back to that
-                buffer and W = T X, U0 = T Y are [C, C] x [C, K / V] dots (Hopper wgmma tiles
+                factored sub-blocks), masked, scaled by beta and stored in a float32 buffer
+                (the split solve's "ascr" scratch, else the T output), whose 16x16 blocks the
+                inverse reads back; the inverse's blocks go to the T output and W = T X, U0 = T Y are [C, C] x [C, K / V] dots (Hopper wgmma tiles
                 instead of 16-row mma.sync ones). Barriers order the round trips.
     The 16x16 merges of the inverse use `merge_dots` bf16 dots per product for bf16 inputs
     (3: hi/lo splits, ~2^-16 relative; 6: float32-exact); float32 inputs always use 6.
@@ -454,10 +455,10 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
     bs = [load_f32(r["beta"], pl.ds(b * SUB, SUB)) for b in range(nb)]
 
     P = {}
-    # The channel gate's split solve finds M = diag(beta) A in the "m" buffer (K1p, aliased
-    # to tmat, which it overwrites with T).
+    # The channel gate's split solve finds M = diag(beta) A in the "m" buffer (from K1d, K1p).
     m_given = part == "solve" and cfg.gate == "channel"
     if wide_a or m_given:
+        src = r["m"] if m_given else None
         if wide_a:
             k = load_qk(r["k"], all_, cfg, False)
             a = mm_nt(k, k, low)
@@ -465,12 +466,15 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
                 a = a * scalar_decay(jnp.cumsum(load_f32(r["g"], slice(None))), False)
             else:
                 a = jnp.where(iota((C, C), 0) > iota((C, C), 1), a, 0.0)
-            r["tmat"][:, :] = load_f32(r["beta"], slice(None))[:, None] * a
+            # The split solve has a float32 scratch buffer (its T output may be bf16); the
+            # one-kernel K1 uses its float32 T buffer.
+            src = r["ascr"] if "ascr" in r else r["tmat"]
+            src[:, :] = load_f32(r["beta"], slice(None))[:, None] * a
             barrier(cfg)
-        src = r["m"] if m_given else r["tmat"]
         M = {(i, j): load_f32(src, (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
              for i in range(nb) for j in range(i + 1)}
-        barrier(cfg)          # every block is read before the inverse overwrites the buffer
+        if src is r["tmat"]:
+            barrier(cfg)      # every block is read before the inverse overwrites the buffer
     else:
         ks, vs, qs = [], [], []
         for b in range(nb):
@@ -578,7 +582,7 @@ def store_lower_blocks(r, name, blocks, nb):
     for i in range(nb):
         for j in range(nb):
             blk = blocks[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
-            r[name][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk
+            r[name][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk.astype(r[name].dtype)
 
 
 def wu_from_t(r, cfg: KernelCfg):
@@ -588,7 +592,7 @@ def wu_from_t(r, cfg: KernelCfg):
     channel gate, a [C, K] exp) runs on their sequential paths: the scalar gate's chunk-local
     cumulative gate G; the channel gate's Gam q, exp(G_C - G) k and exp(G_C)."""
     all_ = (slice(None), slice(None))
-    t = load_f32(r["tmat"], all_)
+    t = load_dot(r["tmat"], all_, cfg)
     beta = load_f32(r["beta"], slice(None))[:, None]
     k = load_qk(r["k"], all_, cfg, False)
     x = beta * k
@@ -630,8 +634,8 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     Row i of a diagonal block holds i + 1 pairs (j <= i); the program walks j = i - 1 down to
     the block's first row with the segment sum seg = sum_{j < l <= i} g_l grown one gate at a
     time from the diagonal outward (a direct segment sum, every exponent <= 0). Every operand
-    is a [BH, K] row loaded in one layout and each pair's value a reduction over K into a
-    [BH, 16] row, so no step converts layouts. The one-program-per-block form this replaces
+    is a [BH, K] row loaded in one layout and each pair's value a reduction over K, stored to
+    its column. The one-program-per-block form this replaces
     ran 16 column steps on [16, K] tiles, each converting a row and a column between layouts
     (H100, B4 T4096 H16 D128: 1.21 ms).
     """
@@ -639,23 +643,28 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     q_, k_, g_ = token_rows(r, cfg)
     qi, ki = q_(i), k_(i)
     cols = iota((qi.shape[0], SUB), 1)
+    beta_i = load_f32(r["beta"], (i, slice(None)))
+    # Each pair's value goes straight to its column (as fla's kernel stores it) rather than
+    # into a [BH, 16] tile, which broadcast every reduced row across a layout change per step
+    # (H100, B1 T16384 H16 D128 bf16: 0.34 -> 0.29 ms). The columns no pair reaches (M: j >= i;
+    # P: j > i, and P's diagonal) are written first, by a store masked to them.
+    on_or_after = cols >= i
+    p_ii = jnp.where(cols == i, jnp.sum(qi * ki, axis=1)[:, None], 0.0)     # empty segment
+    plgpu.store(r["m"], jnp.zeros_like(p_ii), mask=on_or_after)
+    plgpu.store(r["p"], p_ii.astype(r["p"].dtype), mask=on_or_after)
 
-    def body(t, carry):
-        seg, a, p = carry
+    def body(t, seg):
         j = i - 1 - t
         seg = seg + g_(j + 1)
         kg = k_(j) * jnp.exp(seg)
-        a = jnp.where(cols == j, jnp.sum(ki * kg, axis=1)[:, None], a)
-        p = jnp.where(cols == j, jnp.sum(qi * kg, axis=1)[:, None], p)
-        return seg, a, p
+        r["m"][:, pl.ds(j, 1)] = (beta_i * jnp.sum(ki * kg, axis=1))[:, None]
+        r["p"][:, pl.ds(j, 1)] = jnp.sum(qi * kg, axis=1)[:, None].astype(r["p"].dtype)
+        return seg
 
-    p0 = jnp.where(cols == i, jnp.sum(qi * ki, axis=1)[:, None], 0.0)     # empty segment
-    _, a, p = lax.fori_loop(0, i, body, (jnp.zeros_like(ki), jnp.zeros_like(p0), p0))
-    r["tmat"][...] = load_f32(r["beta"], (i, slice(None)))[:, None] * a
-    r["p"][...] = p.astype(r["p"].dtype)
+    lax.fori_loop(0, i, body, jnp.zeros_like(ki))
 
 
-def pair_factors(g):
+def pair_factors(g, fx=True):
     """Gate quantities of one 16-row block [16, BK] for its factored off-diagonal pairs:
     (fx, suf, tot, g0) with Gx_i = sum_{0 < l <= i} g_l (a cumsum of the gates after the block's
     first row r): fx = exp(Gx), the later end's factor exp(sum_{r < l <= i} g_l); suf_j =
@@ -666,7 +675,7 @@ def pair_factors(g):
     g0 = row(g, 0)
     gx = jnp.cumsum(jnp.where(iota(g.shape, 0) > 0, g, 0.0), axis=0)
     end = last(gx)
-    return jnp.exp(gx), end[None, :] - gx, end + g0, g0
+    return jnp.exp(gx) if fx else None, end[None, :] - gx, end + g0, g0
 
 
 def pair_exponent(facs, i, j):
@@ -692,30 +701,42 @@ def pairs_block_k(cfg):
 
 def channel_pairs_kernel(r, cfg: KernelCfg):
     """K1p (channel gate, split K1): the strictly lower off-diagonal blocks of M = diag(beta) A
-    into the tmat buffer and of P into p (zeros above the diagonal), written around K1d's
+    into the float32 m buffer and of P into p (zeros above the diagonal), written around K1d's
     diagonal blocks (both buffers are aliased in and out); with cfg.fuse_solve the inverse T
-    of the whole chunk instead of M (the solve kernel is then skipped).
+    of the whole chunk into the tmat output instead (M is then only read; no solve kernel).
 
     As fla's inter-block kernel: a loop over pieces of block_k_pairs columns of K, each adding
     its share of every block pair to [16, 16] accumulators (12 at C = 64), so that only one
     piece's operands are live. Off-diagonal pairs (i > j) are factored through block i's first
     row r: exp(seg_ij) = exp(sum_{r < l <= i} g_l) exp(sum_{j < l <= r} g_l), both <= 1
-    (`pair_factors`).
+    (`pair_factors`); the second factor splits again into block j's in-block suffix and a row
+    of the gates between the blocks, so each block takes two [16, BK] exps (its later-end and
+    earlier-end factors) and each pair only a [BK] one. Blocks go in order, each pairing with
+    the earlier ones, so only those blocks' decayed k stay live.
     """
     nb, low, bk = cfg.C // SUB, cfg.low, pairs_block_k(cfg)
     pairs = [(i, j) for i in range(1, nb) for j in range(i)]
 
     def piece(p, acc):
         kp = pl.ds(p * bk, bk)
-        k = [qk_piece(r, "k", b, kp, cfg) for b in range(nb)]
-        facs = [pair_factors(load_f32(r["g"], (pl.ds(b * SUB, SUB), kp))) for b in range(nb)]
-        ak = [None] + [k[i] * facs[i][0] for i in range(1, nb)]
-        aq = [None] + [qk_piece(r, "q", i, kp, cfg) * facs[i][0] for i in range(1, nb)]
-        out = []
-        for (i, j), (a, pq) in zip(pairs, acc):
-            bj = k[j] * jnp.exp(facs[j][1] + pair_exponent(facs, i, j))
-            out.append((a + mm_nt(ak[i], bj, low), pq + mm_nt(aq[i], bj, low)))
-        return tuple(out)
+        acc = dict(zip(pairs, acc))
+        kd, tots = [], []         # per earlier block j: k_j exp(suffix_j) and its gate total
+        for i in range(nb):
+            fx, suf, tot, g0 = pair_factors(load_f32(r["g"], (pl.ds(i * SUB, SUB), kp)),
+                                            fx=i > 0)
+            k = qk_piece(r, "k", i, kp, cfg)
+            if i > 0:
+                ak, aq = k * fx, qk_piece(r, "q", i, kp, cfg) * fx
+                e = g0            # gates from block j's end to block i's first row
+                for j in range(i - 1, -1, -1):
+                    bj = kd[j] * jnp.exp(e)[None, :]
+                    a, pq = acc[i, j]
+                    acc[i, j] = (a + mm_nt(ak, bj, low), pq + mm_nt(aq, bj, low))
+                    e = e + tots[j]
+            if i < nb - 1:
+                kd.append(k * jnp.exp(suf))
+                tots.append(tot)
+        return tuple(acc[key] for key in pairs)
 
     zero = jnp.zeros((SUB, SUB), F32)
     acc = lax.fori_loop(0, cfg.K // bk, piece, tuple((zero, zero) for _ in pairs))
@@ -725,14 +746,13 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
         P[i, j] = pq
     if cfg.fuse_solve:
         # As fla's inter + solve kernel: the inverse T from the blocks in registers and K1d's
-        # diagonal blocks, which are read before T overwrites them (the buffer is aliased).
+        # diagonal blocks.
         for i in range(nb):
             M[i, i] = load_f32(r["m_d"], (pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)))
-        barrier(cfg)
         store_lower_blocks(r, "tmat", blocked_inverse(M, nb, cfg), nb)
     else:
         for (i, j) in pairs:
-            r["tmat"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = M[i, j]
+            r["m"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = M[i, j]
     for i in range(nb):
         for j in range(nb):
             if j != i:
@@ -855,14 +875,46 @@ def _chunk_p(r, cfg, G):
     return _p_from_qk(qk_operand(r["q"], all_, cfg), qk_operand(r["k"], all_, cfg), cfg, G)
 
 
+def out_block_k(cfg):
+    """K width of the output kernel's pieces: the whole row when it normalises q, k or forms
+    Gam q itself (channel gate without K1b's stored operands)."""
+    whole = cfg.normalize or (cfg.gate == "channel" and not cfg.pre_gates)
+    return cfg.K if whole else min(cfg.block_k_out, cfg.K)
+
+
 def output_kernel(r, cfg: KernelCfg):
     """Output of one chunk (and V block), all chunks in parallel: O = (Gam q) h + P U, with h the
     chunk's start state and U = v_new from the lean state pass. The scalar gate and the query
     scale multiply the rows of q h rather than q."""
     low = cfg.low
     all_ = (slice(None), slice(None))
-    h = r["h"][:, :]
     G = _chunk_cumulative_gate(r, cfg)
+    bk = out_block_k(cfg)
+    if bk < cfg.K:
+        # As fla's output kernel: a loop over pieces of K, each adding its share of q h (and of
+        # q k^T), so that the pipeliner overlaps the next piece's loads with this one's dots.
+        qn = "qg" if cfg.gate == "channel" else "q"
+
+        def piece(i, acc):
+            ks = (slice(None), pl.ds(i * bk, bk))
+            qp = load_dot(r[qn], ks, cfg)
+            qh = acc[0] + mm(qp, load_dot(r["h"], (pl.ds(i * bk, bk), slice(None)), cfg), low)
+            if cfg.gate == "channel":
+                return (qh,)
+            return qh, acc[1] + mm_nt(qp, load_dot(r["k"], ks, cfg), low)
+
+        zero = jnp.zeros((cfg.C, r["h"].shape[1]), F32)
+        acc = (zero,) if cfg.gate == "channel" else (zero, jnp.zeros((cfg.C, cfg.C), F32))
+        acc = lax.fori_loop(0, cfg.K // bk, piece, acc)
+        if cfg.gate == "channel":
+            p = load_dot(r["p"], all_, cfg)
+            qh = acc[0]
+        else:
+            p = _p_from_scores(acc[1], cfg, G)
+            qh = acc[0] * (cfg.scale if G is None else (cfg.scale * jnp.exp(G))[:, None])
+        r["o"][:, :] = (qh + mm(p, r["vn"][:, :], low)).astype(r["o"].dtype)
+        return
+    h = r["h"][:, :]
     if cfg.gate == "channel":
         if cfg.pre_gates:                   # Gam q from K1b
             qh = mm(load_dot(r["qg"], all_, cfg), h, low)
@@ -933,8 +985,12 @@ def _gated_chunk(r, cfg, sl, n):
 
 def _p_from_qk(q, k, cfg, G):
     """P = mask(q k^T) * scale (* exp(G_i - G_j)) of one chunk, from q, k as dot operands."""
+    return _p_from_scores(mm_nt(q, k, cfg.low), cfg, G)
+
+
+def _p_from_scores(p, cfg, G):
+    """P from the scores q k^T: masked, scaled and (scalar gate) decayed."""
     C = cfg.C
-    p = mm_nt(q, k, cfg.low)
     if G is None:
         return jnp.where(iota((C, C), 0) >= iota((C, C), 1), p * cfg.scale, 0.0)
     return p * (cfg.scale * scalar_decay(G, True))
@@ -1073,7 +1129,7 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         dx, dmy, dbeta = carry
         vs = pl.ds(jv * BVB, BVB)
         du = load_f32(r["du"], (slice(None), vs))
-        dy = mm_tn(load_f32(r["tmat"], all_), du, low)         # T^T dU
+        dy = mm_tn(load_dot(r["tmat"], all_, cfg), du, low)     # T^T dU
         r["dv"][:, vs] = (beta[:, None] * dy).astype(r["dv"].dtype)
         dbeta = dbeta + jnp.sum(dy * load_f32(r["v"], (slice(None), vs)), axis=1)
         dmy = dmy + mm_nt(dy, load_dot(r["u0"], (slice(None), vs), cfg), low)
@@ -1198,6 +1254,8 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
         k = [qk_piece(r, "k", b, kp, cfg) for b in range(nb)]
         q = [qk_piece(r, "q", b, kp, cfg) for b in range(nb)]
         facs = [pair_factors(load_f32(r["g"], (pl.ds(b * SUB, SUB), kp))) for b in range(nb)]
+        # earlier-end factors exp(suffix_j), once per block; each pair adds a [BK] row exp
+        esuf = [jnp.exp(facs[b][1]) for b in range(nb - 1)]
         dbs = list(dbs)
         later = None        # sum over the blocks after b of their pairwise dG rows
         for b in range(nb - 1, -1, -1):
@@ -1207,7 +1265,7 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
             dG = load_f32(r["dgd"], sb)
             fb = facs[b][0]
             for j in range(b):                               # row side: pairs (b, j)
-                bj = k[j] * jnp.exp(facs[j][1] + pair_exponent(facs, b, j))
+                bj = k[j] * esuf[j] * jnp.exp(pair_exponent(facs, b, j))
                 dm = pair("dm", b, j)
                 dbs[b] = dbs[b] + jnp.sum(dm * mm_nt(k[b] * fb, bj, low), axis=1)
                 dqi = mm(pair("dp", b, j), bj, low) * fb
@@ -1216,7 +1274,7 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
                 dk = dk + dki
                 dG = dG + q[b] * dqi + k[b] * dki
             for i in range(b + 1, nb):                       # column side: pairs (i, b)
-                fy = jnp.exp(facs[b][1] + pair_exponent(facs, i, b))
+                fy = esuf[b] * jnp.exp(pair_exponent(facs, i, b))
                 fi = facs[i][0]
                 dkj = (mm_tn(pair("dp", i, b), q[i] * fi, low)
                        + mm_tn(betas[i] * pair("dm", i, b), k[i] * fi, low)) * fy
