@@ -139,6 +139,11 @@ class GpuBlockSizes:
                    GDN 0.141 unlooped, 0.130 at 64 and three stages, but no faster in the whole
                    forward.
     num_stages_out: pipeline stages of that loop (None: 2 for the channel gate, else 1).
+    block_wu:      columns per piece of K1b's W = T X and U0 = T Y for the scalar or no gate
+                   (None: 64), pipelined over num_stages_intra (default 2) stages. H100, B1
+                   T16384 H16 D128 bf16, GDN's K1b alone: 0.167 ms unlooped, 0.153 at 64
+                   columns and two stages (0.151 with the gates on k rather than T's columns);
+                   GDN fwd at B4 T4096: 0.574 -> 0.565 ms, DeltaNet unchanged (0.549 / 0.552).
     num_warps_pairs: warps of K1p (None: 2). H200, B1 T16384 H16 D128 bf16, blocks in order
                    (each pairing with the earlier ones): 0.233 ms on 2 warps, 0.29 on 4, 0.26
                    at 64 columns on 2. H100, before that order: 0.39 ms at 128 columns and 4
@@ -156,7 +161,7 @@ class GpuBlockSizes:
     num_warps_intra: int | None = None
     num_warps_state: int | None = None
     num_warps_bwd: int | None = None
-    num_stages_intra: int = 1
+    num_stages_intra: int = 2
     num_stages_state: int | None = None
     num_stages_bwd: int = 1
     inter_dtype: str = "input"
@@ -179,6 +184,7 @@ class GpuBlockSizes:
     fuse_pairs_solve: bool | None = None
     block_k_out: int | None = None
     num_stages_out: int | None = None
+    block_wu: int | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -257,7 +263,8 @@ class GpuBlockSizes:
             num_warps_pairs_bwd=_given(self.num_warps_pairs_bwd, 4),
             fuse_pairs_solve=bool(self.fuse_pairs_solve),
             block_k_out=_given(self.block_k_out, 64 if gate == "channel" else K),
-            num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1))
+            num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1),
+            block_wu=_given(self.block_wu, 64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +377,7 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
         if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from "
                              f"1 to 32 (warps per program); got {w!r}.")
-    for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out"):
+    for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out", "block_wu"):
         b = getattr(bs, name)
         if not _is_int(b) or b < 16 or b & (b - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two "
@@ -968,7 +975,7 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       block_k_pairs=bs.block_k_pairs,
                       pre_gates=gate != "none" and bool(bs.split_intra),
                       fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve),
-                      block_k_out=bs.block_k_out)
+                      block_k_out=bs.block_k_out, block_wu=bs.block_wu)
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 

@@ -90,6 +90,7 @@ class KernelCfg:
     #                              exp(G_C - G) k and exp(G_C)
     fuse_solve: bool = False     # channel gate: K1p also forms the inverse T (no solve kernel)
     block_k_out: int = 128       # K columns per piece of the output kernel's loop
+    block_wu: int = 128          # columns per piece of K1b's W = T X, U0 = T Y (scalar/no gate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,6 +593,9 @@ def wu_from_t(r, cfg: KernelCfg):
     channel gate, a [C, K] exp) runs on their sequential paths: the scalar gate's chunk-local
     cumulative gate G; the channel gate's Gam q, exp(G_C - G) k and exp(G_C)."""
     all_ = (slice(None), slice(None))
+    if cfg.gate != "channel" and not cfg.normalize:
+        _wu_columns(r, cfg)
+        return
     t = load_dot(r["tmat"], all_, cfg)
     beta = load_f32(r["beta"], slice(None))[:, None]
     k = load_qk(r["k"], all_, cfg, False)
@@ -610,6 +614,38 @@ def wu_from_t(r, cfg: KernelCfg):
             r["gend"][:] = jnp.exp(GC)
     r["w"][:, :] = mm(t, x, cfg.low).astype(r["w"].dtype)
     r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), cfg.low).astype(r["u0"].dtype)
+
+
+def _wu_columns(r, cfg: KernelCfg):
+    """W = (T diag(beta exp(G))) k and U0 = (T diag(beta)) v (no gate or the scalar gate, q/k
+    not normalised in the kernel): the per-token factors scale T's columns once, so that k and
+    v are dot operands as stored, in pieces of block_wu columns as fla's W / U kernel (a loop
+    the pipeliner can overlap with the next piece's loads)."""
+    all_ = (slice(None), slice(None))
+    t = load_f32(r["tmat"], all_)
+    beta = load_f32(r["beta"], slice(None))
+    tu = t * beta[None, :]
+    tw = tu
+    if cfg.gate == "scalar":
+        G = jnp.cumsum(load_f32(r["g"], slice(None)))
+        tw = tu * jnp.exp(G)[None, :]
+        if cfg.pre_gates:
+            r["gcum"][:] = G
+    if cfg.low:                       # the dots round them to bf16 anyway: once, here
+        tw, tu = tw.astype(BF16), tu.astype(BF16)
+
+    def pieces(out, src, tm, width):
+        bw = min(cfg.block_wu, width)
+
+        def body(i, carry):
+            cs = (slice(None), pl.ds(i * bw, bw))
+            r[out][cs] = mm(tm, load_dot(r[src], cs, cfg), cfg.low).astype(r[out].dtype)
+            return carry
+
+        lax.fori_loop(0, width // bw, body, 0)
+
+    pieces("w", "k", tw, cfg.K)
+    pieces("u0", "v", tu, cfg.V)
 
 
 def token_rows(r, cfg):
