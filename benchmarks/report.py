@@ -96,6 +96,13 @@ def table(results) -> str:
             top = sorted(kernels.items(), key=lambda kv: -kv[1])
             lines.append(f"- {op} (total {sum(kernels.values()):.3f}): "
                          + ", ".join(f"{name.split('<')[0]} {t:.3f}" for name, t in top if t >= 0.01))
+    for shape, ops in results.get("fla_profile_fwd_ms", {}).items():
+        lines += ["", f"fla's kernels in one forward at {shape.replace('x', ',')} "
+                  "(torch.profiler, ms per call):", ""]
+        for op, kernels in ops.items():
+            lines.append(f"- {op}: " + ", ".join(f"{name} {t:.3f}" for name, t in kernels.items()))
+    if results.get("gpu_checks_note"):
+        lines += ["", results["gpu_checks_note"]]
     for note in results.get("notes", []):
         lines += ["", note]
     if results.get("not_measured"):
