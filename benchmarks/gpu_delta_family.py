@@ -28,8 +28,9 @@ Rough durations (compiles included): check 5-8 min, bench 3-5 min per shape, tun
 command limit is 10 min, so run e.g. PARTS=check, then PARTS=bench,fla, then PARTS=tune.
 Env: SHAPES="4,4096,16,128;1,16384,16,128" (B,T,H,D; ';' separated), OPS="gdn,deltanet,kda",
      VARIANTS="pallas,pallas_h16,xla", CHECK_VARIANT (a TUNE entry for the checks' block
-     sizes), FLA_PROFILE_MODES ("fwd,fwdbwd"), REPS (timed repetitions, default 30), OUT (JSON goes to
-     $OUT/gpu_delta_family.json), INTERPRET=1 (Pallas interpret mode: a CPU smoke test of this
+     sizes), FLA_PROFILE_MODES ("fwd,fwdbwd"), FLA_MODES ("fwd" skips fla's fwd+bwd, whose
+     autotune takes minutes), TUNE_ROUNDS / TUNE_MODES (see tune_op), REPS (timed repetitions,
+     default 30), OUT (JSON goes to $OUT/gpu_delta_family.json), INTERPRET=1 (Pallas interpret mode: a CPU smoke test of this
      script, e.g. PARTS=bench SHAPES=1,64,1,16 REPS=2). Every variant runs in its own try/except.
 """
 

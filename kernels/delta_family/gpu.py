@@ -564,10 +564,9 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
     if kc.gate == "channel":
         # K1d: the diagonal 16x16 blocks of M and P, one program per token; K1p: the other
         # blocks around them (in place); the solve then reads M and writes T (fuse_solve:
-        # K1p forms T itself). P is
-        # stored in the inter dtype: every reader uses it as a dot operand only (O, P^T dO),
-        # which rounds it to bf16 for bf16 inputs anyway, so bf16 storage changes no bit and
-        # lets the readers load it as stored.
+        # K1p forms T itself). P is stored in the inter dtype: every reader uses it as a dot
+        # operand only (O, P^T dO), which rounds it to bf16 for bf16 inputs anyway, so bf16
+        # storage changes no bit and lets the readers load it as stored.
         pmat = _sds((B, Tp, H, C), outs[0][1].dtype)
         bh = math.gcd(bs.diag_heads, H)
         ts = _token_specs(C, bh)

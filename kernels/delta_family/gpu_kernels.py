@@ -439,8 +439,9 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
     wide:       A = K K^T as one [C, C] dot (no gate / scalar gate; the channel gate keeps its
                 factored sub-blocks), masked, scaled by beta and stored in a float32 buffer
                 (the split solve's "ascr" scratch, else the T output), whose 16x16 blocks the
-                inverse reads back; the inverse's blocks go to the T output and W = T X, U0 = T Y are [C, C] x [C, K / V] dots (Hopper wgmma tiles
-                instead of 16-row mma.sync ones). Barriers order the round trips.
+                inverse reads back; the inverse's blocks go to the T output and W = T X,
+                U0 = T Y are [C, C] x [C, K / V] dots (Hopper wgmma tiles instead of 16-row
+                mma.sync ones). Barriers order the round trips.
     The 16x16 merges of the inverse use `merge_dots` bf16 dots per product for bf16 inputs
     (3: hi/lo splits, ~2^-16 relative; 6: float32-exact); float32 inputs always use 6.
     """
@@ -671,9 +672,9 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     the block's first row with the segment sum seg = sum_{j < l <= i} g_l grown one gate at a
     time from the diagonal outward (a direct segment sum, every exponent <= 0). Every operand
     is a [BH, K] row loaded in one layout and each pair's value a reduction over K, stored to
-    its column. The one-program-per-block form this replaces
-    ran 16 column steps on [16, K] tiles, each converting a row and a column between layouts
-    (H100, B4 T4096 H16 D128: 1.21 ms).
+    its column. The one-program-per-block form this replaces ran 16 column steps on [16, K]
+    tiles, each converting a row and a column between layouts (H100, B4 T4096 H16 D128:
+    1.21 ms).
     """
     i = pl.program_id(0) % SUB
     q_, k_, g_ = token_rows(r, cfg)
@@ -707,7 +708,8 @@ def pair_factors(g, fx=True):
     sum_{l > j} g_l = Gx_15 - Gx_j, the earlier end's in-block exponent (exactly 0 on the last
     row; differences of block-local sums, so the rounding is |16 g| eps on terms that are
     themselves exp(-|suf|) small); tot = the block's gate total and g0 = g_r ([BK] each).
-    Every exponent is <= 0 for g <= 0 (a rounded cumsum of non-positive terms never rises)."""
+    Every exponent is <= 0 for g <= 0 (a rounded cumsum of non-positive terms never rises).
+    fx=False skips exp(Gx) (returned as None) for a block that is never a later end."""
     g0 = row(g, 0)
     gx = jnp.cumsum(jnp.where(iota(g.shape, 0) > 0, g, 0.0), axis=0)
     end = last(gx)
