@@ -132,12 +132,12 @@ class GpuBlockSizes:
                    H100, B1 T16384 H16 D128 bf16, each kernel alone: 0.381 ms fused against
                    0.322 + 0.116 split, but the whole forward at B4 T4096 took the same time
                    (1.204 vs 1.202 ms), so it stays off.
-    block_k_out:   K columns per piece of the output kernel's loop over K, as fla's output
-                   kernel (the whole row with in-kernel q/k normalisation). None: 64 for the
-                   channel gate, K (no loop) otherwise. H200, B1 T16384 H16 D128 bf16, each
-                   kernel alone: KDA 0.140 ms unlooped, 0.120 at 64 columns and two stages;
-                   GDN 0.141 unlooped, 0.130 at 64 and three stages, but no faster in the whole
-                   forward.
+    block_k_out:   KDA: K columns per piece of the output kernel's loop over K, as fla's
+                   output kernel (None: 64; the whole row with in-kernel q/k normalisation).
+                   H200, B1 T16384 H16 D128 bf16, each kernel alone: 0.140 ms unlooped, 0.120
+                   at 64 columns and two stages. The other gates take the whole row: GDN's
+                   looped form (q h and q k^T in pieces) measured 0.141 -> 0.130 alone but no
+                   faster in the whole forward (0.571 vs 0.572 ms, H100).
     num_stages_out: pipeline stages of that loop (None: 2 for the channel gate, else 1).
     block_wu:      columns per piece of K1b's W = T X and U0 = T Y for the scalar or no gate
                    (None: 64), pipelined over num_stages_intra (default 2) stages. H100, B1
@@ -262,7 +262,7 @@ class GpuBlockSizes:
             num_warps_pairs=_given(self.num_warps_pairs, 2),
             num_warps_pairs_bwd=_given(self.num_warps_pairs_bwd, 4),
             fuse_pairs_solve=bool(self.fuse_pairs_solve),
-            block_k_out=_given(self.block_k_out, 64 if gate == "channel" else K),
+            block_k_out=_given(self.block_k_out, 64),
             num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1),
             block_wu=_given(self.block_wu, 64))
 

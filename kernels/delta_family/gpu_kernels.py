@@ -914,10 +914,10 @@ def _chunk_p(r, cfg, G):
 
 
 def out_block_k(cfg):
-    """K width of the output kernel's pieces: the whole row when it normalises q, k or forms
-    Gam q itself (channel gate without K1b's stored operands)."""
-    whole = cfg.normalize or (cfg.gate == "channel" and not cfg.pre_gates)
-    return cfg.K if whole else min(cfg.block_k_out, cfg.K)
+    """K width of the output kernel's pieces: pieces only for the channel gate's stored Gam q
+    (K1b's pre_gates); the whole row otherwise."""
+    pieces = cfg.gate == "channel" and cfg.pre_gates and not cfg.normalize
+    return min(cfg.block_k_out, cfg.K) if pieces else cfg.K
 
 
 def output_kernel(r, cfg: KernelCfg):
@@ -929,38 +929,23 @@ def output_kernel(r, cfg: KernelCfg):
     G = _chunk_cumulative_gate(r, cfg)
     bk = out_block_k(cfg)
     if bk < cfg.K:
-        # As fla's output kernel: a loop over pieces of K, each adding its share of q h (and of
-        # q k^T), so that the pipeliner overlaps the next piece's loads with this one's dots.
-        qn = "qg" if cfg.gate == "channel" else "q"
+        # As fla's output kernel: Gam q h in pieces of K, so that the pipeliner overlaps the
+        # next piece's loads with this one's dot.
+        def piece(i, qh):
+            ks = pl.ds(i * bk, bk)
+            return qh + mm(load_dot(r["qg"], (slice(None), ks), cfg),
+                           load_dot(r["h"], (ks, slice(None)), cfg), low)
 
-        def piece(i, acc):
-            ks = (slice(None), pl.ds(i * bk, bk))
-            qp = load_dot(r[qn], ks, cfg)
-            qh = acc[0] + mm(qp, load_dot(r["h"], (pl.ds(i * bk, bk), slice(None)), cfg), low)
-            if cfg.gate == "channel":
-                return (qh,)
-            return qh, acc[1] + mm_nt(qp, load_dot(r["k"], ks, cfg), low)
-
-        zero = jnp.zeros((cfg.C, r["h"].shape[1]), F32)
-        acc = (zero,) if cfg.gate == "channel" else (zero, jnp.zeros((cfg.C, cfg.C), F32))
-        acc = lax.fori_loop(0, cfg.K // bk, piece, acc)
-        if cfg.gate == "channel":
-            p = load_dot(r["p"], all_, cfg)
-            qh = acc[0]
-        else:
-            p = _p_from_scores(acc[1], cfg, G)
-            qh = acc[0] * (cfg.scale if G is None else (cfg.scale * jnp.exp(G))[:, None])
-        r["o"][:, :] = (qh + mm(p, r["vn"][:, :], low)).astype(r["o"].dtype)
-        return
-    h = r["h"][:, :]
-    if cfg.gate == "channel":
+        qh = lax.fori_loop(0, cfg.K // bk, piece, jnp.zeros((cfg.C, r["h"].shape[1]), F32))
+    elif cfg.gate == "channel":
+        h = r["h"][:, :]
         if cfg.pre_gates:                   # Gam q from K1b
             qh = mm(load_dot(r["qg"], all_, cfg), h, low)
         else:
             q = load_qk(r["q"], all_, cfg, True)
             qh = mm(q * jnp.exp(jnp.cumsum(load_f32(r["g"], all_), axis=0)), h, low)
     else:
-        qh = mm(qk_operand(r["q"], all_, cfg), h, low)
+        qh = mm(qk_operand(r["q"], all_, cfg), r["h"][:, :], low)
         if cfg.gate == "scalar":
             qh = qh * (cfg.scale * jnp.exp(G))[:, None]
         else:
@@ -1023,12 +1008,8 @@ def _gated_chunk(r, cfg, sl, n):
 
 def _p_from_qk(q, k, cfg, G):
     """P = mask(q k^T) * scale (* exp(G_i - G_j)) of one chunk, from q, k as dot operands."""
-    return _p_from_scores(mm_nt(q, k, cfg.low), cfg, G)
-
-
-def _p_from_scores(p, cfg, G):
-    """P from the scores q k^T: masked, scaled and (scalar gate) decayed."""
     C = cfg.C
+    p = mm_nt(q, k, cfg.low)
     if G is None:
         return jnp.where(iota((C, C), 0) >= iota((C, C), 1), p * cfg.scale, 0.0)
     return p * (cfg.scale * scalar_decay(G, True))
