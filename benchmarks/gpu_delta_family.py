@@ -8,7 +8,8 @@ Run on an H100/H200 (jax 0.11.x, torch; fla optional), from the repository root:
 Parts (env PARTS, comma separated, default "check,bench,fla,tune"):
   check  correctness on GPU: Pallas vs the exact XLA chunk form (float32, HIGHEST precision) at
          a few shapes, float32 and bf16, outputs, final states and all gradients (max relative
-         errors printed; the bar is 1e-5 in float32 and 1e-2 in bf16), plus packed varlen.
+         errors printed; the bar is 1e-5 in float32 and 1e-2 in bf16), plus packed varlen and
+         extreme gates (g in (-1e-3, 0) and g <= -5; CHECKS=g_ selects those).
   bench  fwd and fwd+bwd times of gated_delta_rule (gdn), delta_rule and kda: Pallas, Pallas
          with bf16 residual states, and the XLA chunk form; inputs made as fla makes them
          (q, k L2-normalised, g = logsigmoid(randn), beta = sigmoid(randn), bf16, g float32).
@@ -111,7 +112,9 @@ def save():
 # Inputs
 
 
-def make_inputs(B, T, H, K, V, gate, dtype, seed=0):
+def make_inputs(B, T, H, K, V, gate, dtype, seed=0, gates="normal"):
+    """fla's recipe; gates="near0" puts g in (-1e-3, 0) (decay ~1, nothing forgotten) and
+    gates="strong" in (-10, -5] (a chunk's cumulative gate reaches -640: exp must be masked)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
 
     def l2(x):
@@ -126,6 +129,12 @@ def make_inputs(B, T, H, K, V, gate, dtype, seed=0):
         g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)))
     elif gate == "channel":
         g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H, K)))
+    if g is not None and gates == "near0":
+        g = -1e-3 * jax.nn.sigmoid(jax.random.normal(ks[6], g.shape))
+    elif g is not None and gates == "strong":
+        g = -5.0 - 5.0 * jax.nn.sigmoid(jax.random.normal(ks[6], g.shape))
+    elif gates != "normal":
+        raise ValueError(f"gates must be 'normal', 'near0' or 'strong', got {gates!r}")
     do = jax.random.normal(ks[5], (B, T, H, V)).astype(dtype)
     return q, k, v, beta, g, do
 
@@ -137,8 +146,8 @@ GATE_OF = {"gdn": "scalar", "deltanet": "none", "kda": "channel"}
 # Correctness on GPU
 
 
-def check_shape(name, B, T, H, K, V, gate, dtype, cu=None, chunk=64):
-    q, k, v, beta, g, _ = make_inputs(B, T, H, K, V, gate, dtype, seed=1)
+def check_shape(name, B, T, H, K, V, gate, dtype, cu=None, chunk=64, gates="normal"):
+    q, k, v, beta, g, _ = make_inputs(B, T, H, K, V, gate, dtype, seed=1, gates=gates)
     n = B if cu is None else len(cu) - 1
     s0 = jax.random.normal(jax.random.PRNGKey(2), (n, H, K, V), jnp.float32) * 0.1
     wo = jax.random.normal(jax.random.PRNGKey(3), (B, T, H, V), jnp.float32)
@@ -211,6 +220,12 @@ def run_checks():
                       (1, 300, 2, 256, 64, gate, jnp.float32), 32))
         cases.append((f"{gate}/bf16/varlen/T777H4D128",
                       (1, 777, 4, 128, 128, gate, jnp.bfloat16), 64, [0, 100, 101, 600, 777]))
+    for gate in ("scalar", "channel"):
+        for gates in ("near0", "strong"):
+            cases.append((f"{gate}/f32/B1T300H2D128/g_{gates}",
+                          (1, 300, 2, 128, 128, gate, jnp.float32), 64, None, gates))
+        cases.append((f"{gate}/bf16/B1T300H2D128/g_strong",
+                      (1, 300, 2, 128, 128, gate, jnp.bfloat16), 64, None, "strong"))
     only = os.environ.get("CHECKS")
     log(f"[check] block sizes: TUNE entry {CHECK_VARIANT!r}")
     for case in cases:
@@ -219,9 +234,10 @@ def run_checks():
             continue
         chunk = case[2] if len(case) > 2 else 64
         cu = case[3] if len(case) > 3 else None
+        gates = case[4] if len(case) > 4 else "normal"
         try:
             t = time.perf_counter()
-            check_shape(name, *shp, cu=cu, chunk=chunk)
+            check_shape(name, *shp, cu=cu, chunk=chunk, gates=gates)
             log(f"        ({time.perf_counter() - t:.1f}s incl. compile)")
         except Exception as e:  # noqa: BLE001
             log(f"[check] ERR {name}: {type(e).__name__}: {str(e)[:2000]}")
