@@ -471,6 +471,13 @@ TUNE = {
     "state_s4": dict(num_stages_state=4),
     "split_bwd_bv16": dict(split_state_bwd=True, block_v=16),
     "nosplit_bwd": dict(split_state_bwd=False),
+    # KDA's K1p: column pieces and pipeline stages (the default is 64 over two stages)
+    "pairs_bk128_s1": dict(block_k_pairs=128, num_stages_pairs=1),
+    "pairs_bk32_s3": dict(block_k_pairs=32, num_stages_pairs=3),
+    "pairs_bk64_s2_w4": dict(block_k_pairs=64, num_stages_pairs=2, num_warps_pairs=4),
+    "wu_w8": dict(num_warps_intra=8),
+    "wu_s1": dict(num_stages_intra=1),
+    "wu_s3": dict(num_stages_intra=3),
     "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),
     "combo_bv32": dict(split_intra=True, num_stages_state=3, split_state_bwd=True, block_v=32),
 }
