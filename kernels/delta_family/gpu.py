@@ -127,7 +127,8 @@ class GpuBlockSizes:
                    q/k normalisation), its loop pipelined over num_stages_pairs stages (None:
                    2), as fla's inter kernel takes 32 or 64. H100, B4 T4096 H16 D128 bf16: K1p
                    alone 0.303 ms at 128 columns on one stage, 0.282 at 64 on two; the whole
-                   forward 1.160 -> 1.151 ms (B8 T2048 H32 D64: 1.228 -> 1.226).
+                   forward 1.153 -> 1.136 ms, best of 5 interleaved rounds (B8 T2048 H32 D64:
+                   1.223 -> 1.217).
     block_k_pairs_bwd: the same for its backward K4b (None: 64).
     fuse_pairs_solve: KDA: K1p also forms the blocked inverse T from its blocks in registers and
                    K1d's diagonal blocks, as fla's inter + solve kernel, so that M makes no
