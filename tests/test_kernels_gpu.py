@@ -171,9 +171,10 @@ WIDE_ONE_K1 = GpuBlockSizes(wide_intra=True, split_intra=False)
 
 # Float32 without a gate or with a scalar gate already defaults to the wide, split K1 (tests
 # above); here the wide K1 as one kernel (barriers between its halves).
-@pytest.mark.parametrize("gate,bs", [(g, LEGACY) for g in GATES] + [("channel", WIDE),
-                                                                     ("scalar", WIDE_ONE_K1)],
-                         ids=[f"legacy-{g}" for g in GATES] + ["wide-channel", "wide-one-k1"])
+# one-k1-channel: the lean state passes forming Gam q and exp(G_C - G) k themselves (no K1b).
+@pytest.mark.parametrize("gate,bs", [(g, LEGACY) for g in GATES] + [
+    ("channel", WIDE), ("scalar", WIDE_ONE_K1), ("channel", GpuBlockSizes(split_intra=False))],
+    ids=[f"legacy-{g}" for g in GATES] + ["wide-channel", "wide-one-k1", "one-k1-channel"])
 def test_f32_other_layouts(gate, bs):
     args, w = make(13, gate=gate, T_=29)
     check_all(args, w, 1e-5, block_sizes=bs, chunk_size=32)

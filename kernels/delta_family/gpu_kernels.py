@@ -89,8 +89,8 @@ class KernelCfg:
     #                              gate's cumulative gate; the channel gate's Gam q,
     #                              exp(G_C - G) k and exp(G_C)
     fuse_solve: bool = False     # channel gate: K1p also forms the inverse T (no solve kernel)
-    block_k_out: int = 128       # K columns per piece of the output kernel's loop
-    block_wu: int = 128          # columns per piece of K1b's W = T X, U0 = T Y (scalar/no gate)
+    block_k_out: int = 64        # K columns per piece of the output kernel's loop
+    block_wu: int = 64           # columns per piece of K1b's W = T X, U0 = T Y (scalar/no gate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -875,13 +875,7 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
         u = load_f32(r["u0"], (sl, slice(None))) - mm(r["w"][sl, :], s, low)
         r["vn"][sl, :] = u.astype(r["vn"].dtype)
         if cfg.gate == "channel":
-            if cfg.pre_gates:
-                kd = load_dot(r["kg"], (sl, slice(None)), cfg)
-                dec = load_f32(r["gend"], (n, slice(None)))[:, None]
-            else:
-                k = load_qk(r["k"], (sl, slice(None)), cfg, False)
-                _, _, _, kdec, dec = chunk_gates(load_f32(r["g"], (sl, slice(None))), "channel")
-                kd = k * kdec
+            _, kd, dec = _gated_chunk(r, cfg, sl, n, with_q=False)
             return dec * s + mm_tn(kd, u, low)
         k = qk_operand(r["k"], (sl, slice(None)), cfg)
         if cfg.gate == "none":
@@ -995,15 +989,17 @@ def _reverse_state_pass(r, cfg: KernelCfg, nt_static: int, du_local):
     r["ds0"][:, :] = ds
 
 
-def _gated_chunk(r, cfg, sl, n):
+def _gated_chunk(r, cfg, sl, n, with_q=True):
     """The channel gate's (Gam q, exp(G_C - G) k, exp(G_C)) of one chunk for the state passes:
-    stored by K1b (cfg.pre_gates, loaded as dot operands) or formed here from q, k and g."""
+    stored by K1b (cfg.pre_gates, loaded as dot operands) or formed here from q, k and g.
+    with_q=False (the forward pass, which has no q term) returns None for Gam q, unloaded."""
+    rows = (sl, slice(None))
     if cfg.pre_gates:
-        return (load_dot(r["qg"], (sl, slice(None)), cfg),
-                load_dot(r["kg"], (sl, slice(None)), cfg),
-                load_f32(r["gend"], (n, slice(None)))[:, None])
-    q, k, _, gam, kdec, dec = _load_chunk(r, cfg, sl)
-    return q * gam, k * kdec, dec
+        qg = load_dot(r["qg"], rows, cfg) if with_q else None
+        return qg, load_dot(r["kg"], rows, cfg), load_f32(r["gend"], (n, slice(None)))[:, None]
+    _, _, gam, kdec, dec = chunk_gates(load_f32(r["g"], rows), "channel")
+    qg = load_qk(r["q"], rows, cfg, True) * gam if with_q else None
+    return qg, load_qk(r["k"], rows, cfg, False) * kdec, dec
 
 
 def _p_from_qk(q, k, cfg, G):
