@@ -478,6 +478,11 @@ TUNE = {
     "wu_w8": dict(num_warps_intra=8),
     "wu_s1": dict(num_stages_intra=1),
     "wu_s3": dict(num_stages_intra=3),
+    # KDA's K1b in column pieces (the default: whole [C, K] tiles)
+    "wuc64": dict(block_wu_channel=64),
+    "wuc64_s3": dict(block_wu_channel=64, num_stages_intra=3),
+    "wuc32_s3": dict(block_wu_channel=32, num_stages_intra=3),
+    "wuc64_w8": dict(block_wu_channel=64, num_warps_intra=8),
     "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),
     "combo_bv32": dict(split_intra=True, num_stages_state=3, split_state_bwd=True, block_v=32),
 }

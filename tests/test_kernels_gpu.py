@@ -110,11 +110,12 @@ def test_f32_extreme_gates(gate, strength):
 @pytest.mark.parametrize("strength", ["normal", "extreme"])
 def test_channel_pieces_and_head_groups(strength):
     """KDA at chunk 64 (four 16-row blocks: six factored off-diagonal block pairs) with the pair
-    kernels' K in two pieces and two heads per diagonal-block program (two head groups)."""
+    kernels' K and K1b's K in two pieces and two heads per diagonal-block program (two head
+    groups)."""
     args, w = make(21, gate="channel", strength=strength, K=32, V=16, T_=99, H_=4)
     check_all(args, w, 1e-5, chunk_size=64,
               block_sizes=GpuBlockSizes(block_k_pairs=16, block_k_pairs_bwd=16,
-                                        diag_heads=2))
+                                        diag_heads=2, block_wu_channel=16))
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])

@@ -144,10 +144,18 @@ class GpuBlockSizes:
                    faster in the whole forward (0.571 vs 0.572 ms, H100).
     num_stages_out: pipeline stages of that loop (None: 2 for the channel gate, else 1).
     block_wu:      columns per piece of K1b's W = T X and U0 = T Y for the scalar or no gate
-                   (None: 64), pipelined over num_stages_intra (default 2) stages. H100, B1
-                   T16384 H16 D128 bf16, GDN's K1b alone: 0.167 ms unlooped, 0.153 at 64
-                   columns and two stages (0.151 with the gates on k rather than T's columns);
-                   GDN fwd at B4 T4096: 0.574 -> 0.565 ms, DeltaNet unchanged (0.549 / 0.552).
+                   (None: 64), pipelined over num_stages_intra stages (None: 2; 3 for the
+                   channel gate's K1b). H100, B1 T16384 H16 D128 bf16, GDN's K1b alone:
+                   0.167 ms unlooped, 0.153 at 64 columns and two stages (0.151 with the gates
+                   on k rather than T's columns); GDN fwd at B4 T4096: 0.574 -> 0.565 ms,
+                   DeltaNet unchanged (0.549 / 0.552).
+    block_wu_channel: KDA: columns per piece of K1b (its gate operands, W = T X over K and
+                   U0 = T Y over V), pipelined over num_stages_intra stages (None: 64, over
+                   three stages for the channel gate; whole [C, K] tiles with in-kernel q/k
+                   normalisation). H100, B4 T4096 H16 D128 bf16, best of 4 interleaved rounds:
+                   the whole forward 1.112 ms with whole tiles, 1.106 at 64 columns on two
+                   stages, 1.092 on three (K1b alone 0.307 -> 0.295), 1.122 at 32 columns on
+                   three, 1.147 at 64 on 8 warps.
     num_warps_pairs: warps of K1p (None: 2). H200, B1 T16384 H16 D128 bf16, blocks in order
                    (each pairing with the earlier ones): 0.233 ms on 2 warps, 0.29 on 4, 0.26
                    at 64 columns on 2. H100, before that order: 0.39 ms at 128 columns and 4
@@ -165,7 +173,7 @@ class GpuBlockSizes:
     num_warps_intra: int | None = None
     num_warps_state: int | None = None
     num_warps_bwd: int | None = None
-    num_stages_intra: int = 2
+    num_stages_intra: int | None = None
     num_stages_state: int | None = None
     num_stages_bwd: int = 1
     inter_dtype: str = "input"
@@ -190,6 +198,7 @@ class GpuBlockSizes:
     block_k_out: int | None = None
     num_stages_out: int | None = None
     block_wu: int | None = None
+    block_wu_channel: int | None = None
 
     def resolve(self, K, V, programs=None, gate=None, low=True):
         """Fills the None fields; `programs` = sequences x heads of the sequential passes.
@@ -270,7 +279,10 @@ class GpuBlockSizes:
             block_k_out=_given(self.block_k_out, 64),
             num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1),
             block_wu=_given(self.block_wu, 64),
-            num_stages_pairs=_given(self.num_stages_pairs, 2))
+            num_stages_pairs=_given(self.num_stages_pairs, 2),
+            block_wu_channel=_given(self.block_wu_channel, 64),
+            num_stages_intra=_given(self.num_stages_intra,
+                                    3 if gate == "channel" and split_intra else 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +395,8 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
         if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from "
                              f"1 to 32 (warps per program); got {w!r}.")
-    for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out", "block_wu"):
+    for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out", "block_wu",
+                 "block_wu_channel"):
         b = getattr(bs, name)
         if not _is_int(b) or b < 16 or b & (b - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two "
@@ -983,7 +996,8 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       block_k_pairs=bs.block_k_pairs,
                       pre_gates=gate != "none" and bool(bs.split_intra),
                       fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve),
-                      block_k_out=bs.block_k_out, block_wu=bs.block_wu)
+                      block_k_out=bs.block_k_out, block_wu=bs.block_wu,
+                      block_wu_channel=min(bs.block_wu_channel, K))
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 
