@@ -91,7 +91,7 @@ class KernelCfg:
     fuse_solve: bool = False     # channel gate: K1p also forms the inverse T (no solve kernel)
     block_k_out: int = 64        # K columns per piece of the output kernel's loop
     block_wu: int = 64           # columns per piece of K1b's W = T X, U0 = T Y (scalar/no gate)
-    block_wu_channel: int = 1 << 30  # the same for the channel gate (>= K: whole tiles)
+    block_wu_channel: int = 64   # the same for the channel gate (gate operands, W, U0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +155,6 @@ def mm_tn(a, b, low, exact=False):
 
 
 LOG2E = 1.4426950408889634
-EXP_FORM = "exp2"   # or "exp": an A/B switch for timing runs (read at trace time)
 
 
 def exp(x):
@@ -166,8 +165,6 @@ def exp(x):
     e^-10; fla's kernels do the same (gates scaled by 1 / ln 2 once). H200, B4 T4096 H16 D128
     bf16, best of 4 interleaved rounds: KDA fwd 1.029 -> 0.991 ms, fwd+bwd 4.963 -> 4.872;
     GDN (few exps) unchanged within noise."""
-    if EXP_FORM == "exp":
-        return jnp.exp(x)
     return jnp.exp2(x * LOG2E)
 
 
@@ -606,47 +603,45 @@ def store_lower_blocks(r, name, blocks, nb):
 
 
 def wu_from_t(r, cfg: KernelCfg):
-    """W = T (beta Gam k), U0 = T (beta v) as whole-chunk [C, C] x [C, K / V] dots, T read back
-    from the tmat buffer (written by this program behind a barrier, or by the solve kernel).
-    With cfg.pre_gates also the state passes' gate operands, so that no cumsum (nor, for the
-    channel gate, a [C, K] exp) runs on their sequential paths: the scalar gate's chunk-local
-    cumulative gate G; the channel gate's Gam q, exp(G_C - G) k and exp(G_C)."""
-    all_ = (slice(None), slice(None))
-    if cfg.gate != "channel" and not cfg.normalize:
-        _wu_columns(r, cfg)
-        return
-    if cfg.gate == "channel" and not cfg.normalize and cfg.block_wu_channel < cfg.K:
+    """W = T (beta Gam k), U0 = T (beta v), T read back from the tmat buffer (written by this
+    program behind a barrier, or by the solve kernel). With cfg.pre_gates also the state passes'
+    gate operands, so that no cumsum (nor, for the channel gate, a [C, K] exp) runs on their
+    sequential paths: the scalar gate's chunk-local cumulative gate G; the channel gate's Gam q,
+    exp(G_C - G) k and exp(G_C). Whole-chunk [C, C] x [C, K / V] dots, in column pieces where
+    the operands allow (`_wu_columns`, `_wu_channel_pieces`)."""
+    if cfg.gate == "channel":
         _wu_channel_pieces(r, cfg)
         return
+    if not cfg.normalize:
+        _wu_columns(r, cfg)
+        return
+    all_ = (slice(None), slice(None))
     t = load_dot(r["tmat"], all_, cfg)
     beta = load_f32(r["beta"], slice(None))[:, None]
-    k = load_qk(r["k"], all_, cfg, False)
-    x = beta * k
+    x = beta * load_qk(r["k"], all_, cfg, False)
     if cfg.gate == "scalar":
         G = jnp.cumsum(load_f32(r["g"], slice(None)))
         x = x * exp(G)[:, None]
         if cfg.pre_gates:
             r["gcum"][:] = G
-    elif cfg.gate == "channel":
-        _, GC, gam, kdec, _ = chunk_gates(load_f32(r["g"], all_), "channel")
-        x = x * gam
-        if cfg.pre_gates:
-            r["qg"][:, :] = (load_qk(r["q"], all_, cfg, True) * gam).astype(r["qg"].dtype)
-            r["kg"][:, :] = (k * kdec).astype(r["kg"].dtype)
-            r["gend"][:] = exp(GC)
     r["w"][:, :] = mm(t, x, cfg.low).astype(r["w"].dtype)
     r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), cfg.low).astype(r["u0"].dtype)
 
 
+def wu_block_k(cfg):
+    """Columns per piece of the channel gate's K1b: the whole row when the kernel normalises q
+    and k (the norm needs it)."""
+    return cfg.K if cfg.normalize else min(cfg.block_wu_channel, cfg.K)
+
+
 def _wu_channel_pieces(r, cfg: KernelCfg):
-    """The channel gate's K1b in pieces of block_wu_channel columns of K (and of V for U0), as
+    """The channel gate's K1b in pieces of `wu_block_k` columns of K (and of V for U0), as
     fla's W / U kernel loops: the gate's cumsum runs down each column, so every piece is
     independent (its cumulative gate, Gam k, Gam q, exp(G_C - G) k, exp(G_C) and W's columns),
     and the pipeliner overlaps the next piece's loads with this one's dot."""
-    all_ = (slice(None), slice(None))
-    t = load_dot(r["tmat"], all_, cfg)
+    t = load_dot(r["tmat"], (slice(None), slice(None)), cfg)
     beta = load_f32(r["beta"], slice(None))[:, None]
-    bw = cfg.block_wu_channel
+    bw = wu_block_k(cfg)
 
     def w_piece(i, carry):
         cs = (slice(None), pl.ds(i * bw, bw))
