@@ -452,6 +452,7 @@ TUNE = {
     "out_bk64_s2_bv64": dict(block_k_out=64, num_stages_out=2, block_v_out=64),
     "pairs_bk64_w2": dict(block_k_pairs=64, num_warps_pairs=2),
     "s1_w8": dict(num_warps_solve=1, num_warps_intra=8),
+    "pairs_w1": dict(num_warps_pairs=1),
     "pairs_w2": dict(num_warps_pairs=2),
     "pairs_w4": dict(num_warps_pairs=4),
     "out_whole": dict(block_k_out=128, num_stages_out=1),
@@ -483,6 +484,8 @@ TUNE = {
     "wuc64_s3": dict(block_wu_channel=64, num_stages_intra=3),
     "wuc32_s3": dict(block_wu_channel=32, num_stages_intra=3),
     "wuc64_w8": dict(block_wu_channel=64, num_warps_intra=8),
+    "pairs_w1_diag_h2": dict(num_warps_pairs=1, diag_heads=2),
+    "pairs_w1_bk32": dict(num_warps_pairs=1, block_k_pairs=32),
     "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),
     "combo_bv32": dict(split_intra=True, num_stages_state=3, split_state_bwd=True, block_v=32),
 }

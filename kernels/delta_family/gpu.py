@@ -118,10 +118,14 @@ class GpuBlockSizes:
                    0.119 on 1, 0.207 on 4; KDA's solve 0.118 -> 0.078 (H200) on 1.
     num_warps_diag: warps of the channel gate's diagonal-block kernels K1d and K4d, one
                    program per token and diag_heads heads (None: 1).
-    diag_heads:    heads per K1d / K4d program (None: 4), a power of two; programs take the
-                   largest power of two dividing H up to it. H100, B4 T4096 H16 D128 bf16:
-                   K1d 0.33 ms and K4d 0.87 at 4 heads on 1 warp; 1 to 16 heads on 1 to 4
-                   warps all within 15% (one program per 16-row block before: 1.21 and 2.86).
+    diag_heads:    heads per K1d / K4d program (None: 256 // K, between 1 and 4: 256 values
+                   of a row per one-warp program), a power of two; programs take the largest
+                   power of two dividing H up to it. H100, B4 T4096 H16 D128 bf16: K1d 0.33
+                   ms and K4d 0.87 at 4 heads on 1 warp; 1 to 16 heads on 1 to 4 warps all
+                   within 15% (one program per 16-row block before: 1.21 and 2.86). Whole
+                   forward with K1p on one warp, best of 4-5 interleaved rounds (H100, bf16):
+                   2 heads against 4 at D128 B4 T4096 1.085 -> 1.069 ms, B1 T16384 1.265 ->
+                   1.237; at D64 (B8 T2048 H32) 4 heads stay (1.153 ms against 1.172 at 2).
     block_k_pairs: K columns per piece of the channel gate's off-diagonal pair kernel K1p
                    (None: 64; a power of two >= 16, capped at K; the whole row with in-kernel
                    q/k normalisation), its loop pipelined over num_stages_pairs stages (None:
@@ -156,10 +160,12 @@ class GpuBlockSizes:
                    the whole forward 1.112 ms with whole tiles, 1.106 at 64 columns on two
                    stages, 1.092 on three (K1b alone 0.307 -> 0.295), 1.122 at 32 columns on
                    three, 1.147 at 64 on 8 warps.
-    num_warps_pairs: warps of K1p (None: 2). H200, B1 T16384 H16 D128 bf16, blocks in order
-                   (each pairing with the earlier ones): 0.233 ms on 2 warps, 0.29 on 4, 0.26
-                   at 64 columns on 2. H100, before that order: 0.39 ms at 128 columns and 4
-                   warps (0.45 at 64, 0.55 on 8).
+    num_warps_pairs: warps of K1p (None: 1, as fla's inter kernel may pick). H100 bf16, the
+                   whole KDA forward, best of 4-5 interleaved rounds, 2 warps -> 1: B4 T4096
+                   H16 D128 1.109 -> 1.085 ms (K1p alone 0.290 -> 0.279), B8 T2048 H32 D64
+                   1.202 -> 1.153, B1 T16384 1.260 -> 1.265 (1.237 with 2 diag_heads);
+                   fwd+bwd unchanged (5.380 -> 5.369). H200, B1 T16384 H16 D128, blocks in
+                   order (each pairing with the earlier ones): 0.233 ms on 2 warps, 0.29 on 4.
     num_warps_pairs_bwd: warps of K4b (None: 4). H100, B4 T4096 H16 D128 bf16: 1.61 ms at 64
                    columns and 4 warps, 1.65 at 128 on 8, 1.99 at 128 on 4.
     diag_inverse:  K1's 16x16 diagonal inverses for bf16 inputs: "products" (default; the
@@ -270,10 +276,10 @@ class GpuBlockSizes:
             split_intra=split_intra,
             num_warps_solve=_given(self.num_warps_solve, 1),
             num_warps_diag=_given(self.num_warps_diag, 1),
-            diag_heads=_given(self.diag_heads, 4),
+            diag_heads=_given(self.diag_heads, min(4, max(1, 256 // K))),
             block_k_pairs=_given(self.block_k_pairs, 64),
             block_k_pairs_bwd=_given(self.block_k_pairs_bwd, 64),
-            num_warps_pairs=_given(self.num_warps_pairs, 2),
+            num_warps_pairs=_given(self.num_warps_pairs, 1),
             num_warps_pairs_bwd=_given(self.num_warps_pairs_bwd, 4),
             fuse_pairs_solve=bool(self.fuse_pairs_solve),
             block_k_out=_given(self.block_k_out, 64),
