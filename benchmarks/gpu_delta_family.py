@@ -479,11 +479,12 @@ TUNE = {
     "wu_w8": dict(num_warps_intra=8),
     "wu_s1": dict(num_stages_intra=1),
     "wu_s3": dict(num_stages_intra=3),
-    # KDA's K1b in column pieces (the default: whole [C, K] tiles)
+    # KDA's K1b in column pieces (the default now: 64 columns over three stages)
     "wuc64": dict(block_wu_channel=64),
     "wuc64_s3": dict(block_wu_channel=64, num_stages_intra=3),
     "wuc32_s3": dict(block_wu_channel=32, num_stages_intra=3),
     "wuc64_w8": dict(block_wu_channel=64, num_warps_intra=8),
+    # K1p on one warp, with two K1d heads (both the defaults at K = 128 since 2026-11-22)
     "pairs_w1_diag_h2": dict(num_warps_pairs=1, diag_heads=2),
     "pairs_w1_bk32": dict(num_warps_pairs=1, block_k_pairs=32),
     "combo": dict(split_intra=True, num_stages_state=3, split_state_bwd=True),

@@ -628,20 +628,20 @@ def wu_from_t(r, cfg: KernelCfg):
     r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), cfg.low).astype(r["u0"].dtype)
 
 
-def wu_block_k(cfg):
-    """Columns per piece of the channel gate's K1b: the whole row when the kernel normalises q
-    and k (the norm needs it)."""
-    return cfg.K if cfg.normalize else min(cfg.block_wu_channel, cfg.K)
+def k_piece(cfg, block):
+    """Columns per piece of a kernel's loop over K: block (capped at K), or the whole row when
+    the kernel normalises q and k (the norm and its vjp need the row)."""
+    return cfg.K if cfg.normalize else min(block, cfg.K)
 
 
 def _wu_channel_pieces(r, cfg: KernelCfg):
-    """The channel gate's K1b in pieces of `wu_block_k` columns of K (and of V for U0), as
-    fla's W / U kernel loops: the gate's cumsum runs down each column, so every piece is
-    independent (its cumulative gate, Gam k, Gam q, exp(G_C - G) k, exp(G_C) and W's columns),
-    and the pipeliner overlaps the next piece's loads with this one's dot."""
+    """The channel gate's K1b in pieces of `k_piece` columns of K (and of V for U0), as fla's
+    W / U kernel loops: the gate's cumsum runs down each column, so every piece is independent
+    (its cumulative gate, Gam k, Gam q, exp(G_C - G) k, exp(G_C) and W's columns), and the
+    pipeliner overlaps the next piece's loads with this one's dot."""
     t = load_dot(r["tmat"], (slice(None), slice(None)), cfg)
     beta = load_f32(r["beta"], slice(None))[:, None]
-    bw = wu_block_k(cfg)
+    bw = k_piece(cfg, cfg.block_wu_channel)
 
     def w_piece(i, carry):
         cs = (slice(None), pl.ds(i * bw, bw))
@@ -779,12 +779,6 @@ def qk_piece(r, name, b, kp, cfg):
     return load_qk(r[name], (pl.ds(b * SUB, SUB), kp), cfg, name == "q")
 
 
-def pairs_block_k(cfg):
-    """K width of the off-diagonal pair kernels' column pieces: the whole row when the kernels
-    normalise q and k (the norm and its vjp need it)."""
-    return cfg.K if cfg.normalize else min(cfg.block_k_pairs, cfg.K)
-
-
 def channel_pairs_kernel(r, cfg: KernelCfg):
     """K1p (channel gate, split K1): the strictly lower off-diagonal blocks of M = diag(beta) A
     into the float32 m buffer and of P into p (zeros above the diagonal), written around K1d's
@@ -800,7 +794,7 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
     earlier-end factors) and each pair only a [BK] one. Blocks go in order, each pairing with
     the earlier ones, so only those blocks' decayed k stay live.
     """
-    nb, low, bk = cfg.C // SUB, cfg.low, pairs_block_k(cfg)
+    nb, low, bk = cfg.C // SUB, cfg.low, k_piece(cfg, cfg.block_k_pairs)
     pairs = [(i, j) for i in range(1, nb) for j in range(i)]
 
     def piece(p, acc):
@@ -958,8 +952,8 @@ def _chunk_p(r, cfg, G):
 def out_block_k(cfg):
     """K width of the output kernel's pieces: pieces only for the channel gate's stored Gam q
     (K1b's pre_gates); the whole row otherwise."""
-    pieces = cfg.gate == "channel" and cfg.pre_gates and not cfg.normalize
-    return min(cfg.block_k_out, cfg.K) if pieces else cfg.K
+    pieces = cfg.gate == "channel" and cfg.pre_gates
+    return k_piece(cfg, cfg.block_k_out) if pieces else cfg.K
 
 
 def output_kernel(r, cfg: KernelCfg):
@@ -1305,7 +1299,7 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
     dg_b = reverse cumsum of dG_b within the block + the later blocks' pairwise dG totals
     (carried) + the dense part in dg_p.
     """
-    nb, low, bk = cfg.C // SUB, cfg.low, pairs_block_k(cfg)
+    nb, low, bk = cfg.C // SUB, cfg.low, k_piece(cfg, cfg.block_k_pairs)
 
     def pair(name, i, j):
         return load_f32(r[name], (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
