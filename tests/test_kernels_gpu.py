@@ -198,6 +198,20 @@ def test_split_intra_forward(gate):
     check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_intra=True), chunk_size=32)
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+def test_solve_kkt_pieces(gate):
+    """The solve kernel's A = K K^T as 16x16 register blocks over pieces of K (the bf16 default)
+    in float32 (which defaults to the wide A), two pieces on two stages; and in bf16 with the
+    merges as tf32 dots (interpret mode computes those in float32: plumbing only here, the
+    tf32 rounding is a GPU check)."""
+    args, w = make(21, gate=gate, K=32, T_=45)
+    check_all(args, w, 1e-5, chunk_size=64,
+              block_sizes=GpuBlockSizes(block_k_kkt=16, num_stages_solve=2))
+    args = [None if a is None else a.astype(jnp.bfloat16) if i < 4 else a
+            for i, a in enumerate(args)]
+    check_all(args, w, 1e-2, chunk_size=32, block_sizes=GpuBlockSizes(merge_dots=1))
+
+
 @pytest.mark.parametrize("gate", GATES)
 def test_split_state_backward(gate):
     """fla-style backward split: dU_local = P^T dO in a parallel kernel, a lean reverse pass."""
@@ -382,6 +396,8 @@ def test_validation_errors():
     bad_block_sizes = [("block_v", dict(block_v=24)),
                        ("block_v_out", dict(block_v_out=64)),        # > V = 32
                        ("merge_dots", dict(merge_dots=4)),
+                       ("block_k_kkt", dict(block_k_kkt=24)),
+                       ("num_stages_solve", dict(num_stages_solve=0)),
                        ("num_warps_solve", dict(num_warps_solve=3)),
                        ("num_stages_state", dict(num_stages_state=0)),
                        ("diag_heads", dict(diag_heads=3)),

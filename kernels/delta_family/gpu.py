@@ -16,7 +16,9 @@ Kernels (see gpu_kernels.py for the math); C = chunk size, NT = number of chunks
   forward   K1 intra  grid (NT, B, H): blocked (I + diag(beta) A)^-1 (16x16 diagonal blocks
                       as Neumann products for bf16, by substitution for float32), W, U0
                       (+ P for KDA); by default split (split_intra): K1a the inverse T on
-                      few warps, K1b W, U0 = T X, T Y; for KDA A and P come first from K1d
+                      few warps (bf16 GDN / DeltaNet: A's 16x16 blocks accumulated in
+                      registers over pieces of K, block_k_kkt), K1b W, U0 = T X, T Y; for KDA
+                      A and P come first from K1d
                       (diagonal 16x16 blocks, one token and a few heads per program, grid
                       (Tp, H/bh, B)) and K1p (the others, in pieces of K columns), and K1b
                       also stores the state passes' gated operands Gam q, exp(G_C - G) k and
@@ -94,9 +96,18 @@ class GpuBlockSizes:
                    T output buffer with barriers (default for float32 inputs, no gate or the
                    scalar gate, K <= 128: more accurate there); False (the other defaults):
                    16-row sub-block dots.
+    block_k_kkt:   no gate / scalar gate, split K1: K columns per piece of the solve kernel's
+                   A = K K^T, formed as 16x16 blocks in registers over a loop of pieces (as
+                   fla's fused kkt + solve kernel; a power of two >= 16, capped at K; the whole
+                   row with in-kernel q/k normalisation); 0: the wide / 16-row layout. None:
+                   64 for bf16 inputs, 0 for float32 (wide: the layout the float32 GPU checks
+                   measured at 8e-7).
+    num_stages_solve: pipeline stages of that loop (None: 2 with pieces, else 1).
     merge_dots:    bf16 dots per 16x16 product in the merges of K1's blocked inverse for bf16
-                   inputs: 3 (default; hi/lo split, ~2^-16 relative) or 6 (float32-exact).
-                   float32 inputs always use 6.
+                   inputs: 3 (default; hi/lo split, ~2^-16 relative) or 6 (float32-exact); or
+                   1: one tf32 dot (fla's solve precision, ~2^-11). float32 inputs always use
+                   6. H100, B4 T4096 H16 D128, GDN's solve alone with A in register blocks:
+                   0.080 ms at 3, 0.082 at 1 (KDA's solve 0.082 / 0.084), so 3 stays.
     split_state_bwd: True: the backward splits like fla's dv_local + dhu: a parallel kernel
                    over chunks (K3a, V blocks of block_v_out, num_warps_out warps) computes the
                    state-free dU_local = P^T dO, and the reverse state pass keeps three dots
@@ -189,6 +200,8 @@ class GpuBlockSizes:
     num_warps_out: int | None = None
     wide_intra: bool | None = None
     merge_dots: int | None = None
+    block_k_kkt: int | None = None
+    num_stages_solve: int | None = None
     diag_inverse: str | None = None
     split_state_bwd: bool | None = None
     split_intra: bool | None = None
@@ -243,6 +256,7 @@ class GpuBlockSizes:
             stages = 2 if gate == "channel" and bv > 16 else 3
         else:
             stages = 1
+        kkt = _given(self.block_k_kkt, 64 if low and split_intra and gate != "channel" else 0)
         return dataclasses.replace(
             self, block_v=bv, block_v_bwd=bvb,
             num_warps_intra=_given(self.num_warps_intra, 8 if big else 4),
@@ -270,6 +284,13 @@ class GpuBlockSizes:
                          and (split_intra or not low))
                         if self.wide_intra is None else self.wide_intra),
             merge_dots=_given(self.merge_dots, 3),
+            # bf16, split K1, no / scalar gate: A in registers over 64-column pieces on two
+            # stages. H100, B4 T4096 H16 D128, the solve kernel alone 0.136 -> 0.080 ms (0.090
+            # on one stage, 0.085 on three); whole fwd, best of 4 interleaved rounds: GDN 0.560
+            # -> 0.521 ms, DeltaNet 0.544 -> 0.498. float32 keeps the wide A (its accuracy was
+            # what the GPU checks measured there).
+            block_k_kkt=kkt,
+            num_stages_solve=_given(self.num_stages_solve, 2 if kkt else 1),
             diag_inverse=_given(self.diag_inverse, "products"),
             split_state_bwd=(gate == "scalar" if self.split_state_bwd is None
                              else self.split_state_bwd),
@@ -412,7 +433,7 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
         raise ValueError(f"{_FN}: argument `block_sizes.diag_heads` must be a power of two >= 1 "
                          f"(heads per diagonal-block program); got {d!r}.")
     for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd", "num_stages_out",
-                 "num_stages_pairs"):
+                 "num_stages_pairs", "num_stages_solve"):
         n = getattr(bs, name)
         if not _is_int(n) or n < 1:
             raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a positive integer "
@@ -420,9 +441,13 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
     if bs.diag_inverse not in ("products", "substitution"):
         raise ValueError(f"{_FN}: argument `block_sizes.diag_inverse` must be 'products' or "
                          f"'substitution'; got {bs.diag_inverse!r}.")
-    if bs.merge_dots not in (3, 6):
-        raise ValueError(f"{_FN}: argument `block_sizes.merge_dots` must be 3 or 6; got "
-                         f"{bs.merge_dots!r}.")
+    if bs.merge_dots not in (1, 3, 6):
+        raise ValueError(f"{_FN}: argument `block_sizes.merge_dots` must be 1 (tf32), 3 or 6; "
+                         f"got {bs.merge_dots!r}.")
+    b = bs.block_k_kkt
+    if not _is_int(b) or (b != 0 and (b < 16 or b & (b - 1))):
+        raise ValueError(f"{_FN}: argument `block_sizes.block_k_kkt` must be 0 (off) or a power "
+                         f"of two >= 16 (K columns per piece); got {b!r}.")
     if bs.wide_intra and not _HAS_BARRIER and not interpret:
         raise ValueError(f"{_FN}: `block_sizes.wide_intra` needs "
                          f"jax.experimental.pallas.triton.debug_barrier (missing here).")
@@ -622,10 +647,12 @@ def _intra_forward_split(st: _Static, ins, outs, rows):
                            num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret))
     else:
         # The wide A goes through a float32 scratch buffer that the inverse reads back.
-        scratch = [("ascr", mbuf[1], rows(C))] if kc.wide else []
+        # (block_kkt: A stays in registers, no scratch.)
+        scratch = [("ascr", mbuf[1], rows(C))] if kc.wide and not kc.block_kkt else []
         r = _call(functools.partial(gk.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
                   (NT, B, H), solve_ins, [tmat] + scratch, name="delta_intra_solve",
-                  num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret)
+                  num_warps=bs.num_warps_solve, num_stages=bs.num_stages_solve,
+                  interpret=st.interpret)
     wu_ins = [x for x in ins if x[0] != "q" or kc.pre_gates] + [("tmat", r["tmat"], rows(C))]
     if kc.pre_gates and kc.gate == "scalar":
         outs = outs + [("gcum", _sds((B, Tp, H), F32), _chunk_specs(C)[1])]
@@ -1003,7 +1030,8 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       pre_gates=gate != "none" and bool(bs.split_intra),
                       fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve),
                       block_k_out=bs.block_k_out, block_wu=bs.block_wu,
-                      block_wu_channel=bs.block_wu_channel)
+                      block_wu_channel=bs.block_wu_channel,
+                      block_kkt=0 if gate == "channel" else int(bs.block_k_kkt))
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 

@@ -79,7 +79,10 @@ class KernelCfg:
     has_dsT: bool
     store_h: bool          # forward state pass also writes the chunk start states
     varlen: bool           # chunk ranges per sequence come from an offsets array
-    merge_dots: int = 6    # bf16 inputs: 3 (hi/lo split) or 6 (float32-exact) dots per T merge
+    merge_dots: int = 6    # bf16 inputs, per T merge: 1 (one tf32 dot), 3 (bf16 hi/lo split)
+    #                        or 6 (float32-exact bf16 dots)
+    block_kkt: int = 0     # solve (no / scalar gate): K columns per piece of A = K K^T formed
+    #                        as 16x16 blocks in registers; 0: the wide or 16-row layout
     wide: bool = False     # K1: A and W, U0 as whole-chunk [C, C] dots (through the T buffer)
     has_vn: bool = False   # K4: U = v_new stored by the lean state pass (else recomputed)
     interpret: bool = False  # interpret mode: no GPU barrier primitive
@@ -119,6 +122,7 @@ def _dot(a, b, dims, low, exact=False):
 
     low and exact == 3 (bf16 inputs, where 1e-2 is the bar): three bf16 dots of hi/lo splits,
     hi*lo + lo*hi + hi*hi (~2^-16 relative; lo*lo and the third split part are dropped).
+    low and exact == 1: one tf32 dot of float32 operands (~2^-11 relative).
     low and not exact: bf16 operands on tensor cores, as fla does (bf16 inputs). Otherwise a
     float32-accurate product from six bf16 tensor-core dots of the split operands
     (hi*hi + hi*mid + mid*hi + hi*lo + mid*mid + lo*hi; the neglected terms are ~2^-24
@@ -132,6 +136,12 @@ def _dot(a, b, dims, low, exact=False):
 
     if low and not exact:
         return d(a.astype(BF16), b.astype(BF16))
+    if low and exact == 1:
+        # One tf32 tensor-core dot on float32 operands (10-bit mantissas, ~2^-11 relative), as
+        # fla's solve merges. Interpret mode on CPU computes it in full float32.
+        return lax.dot_general(a.astype(F32), b.astype(F32), dims,
+                               precision=(lax.Precision.DEFAULT, lax.Precision.DEFAULT),
+                               preferred_element_type=F32)
     if low and exact == 3:
         a1, a2 = split2(a)
         b1, b2 = split2(b)
@@ -474,7 +484,10 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
     P = {}
     # The channel gate's split solve finds M = diag(beta) A in the "m" buffer (from K1d, K1p).
     m_given = part == "solve" and cfg.gate == "channel"
-    if wide_a or m_given:
+    if part == "solve" and cfg.block_kkt and not m_given:
+        A = kkt_blocks(r, cfg)
+        M = {key: bs[key[0]][:, None] * a for key, a in A.items()}
+    elif wide_a or m_given:
         src = r["m"] if m_given else None
         if wide_a:
             k = load_qk(r["k"], all_, cfg, False)
@@ -572,13 +585,40 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
         store_blocks("tmat", T)
 
 
+def kkt_blocks(r, cfg: KernelCfg):
+    """The 16x16 blocks (i >= j) of the strictly lower A = K K^T of one chunk (no gate), or of
+    A_ij = k_i . k_j exp(G_i - G_j) (scalar gate), accumulated in registers over pieces of
+    block_kkt columns of K, as fla's fused kkt + solve kernel: only one piece of k is live, and
+    A makes no round trip through memory (the wide layout's scratch buffer and barriers)."""
+    nb, low = cfg.C // SUB, cfg.low
+    bk = k_piece(cfg, cfg.block_kkt)
+    pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
+
+    def piece(p, acc):
+        kp = pl.ds(p * bk, bk)
+        ks = [qk_operand(r["k"], (pl.ds(b * SUB, SUB), kp), cfg) for b in range(nb)]
+        return tuple(a + mm_nt(ks[i], ks[j], low) for a, (i, j) in zip(acc, pairs))
+
+    zero = jnp.zeros((SUB, SUB), F32)
+    acc = lax.fori_loop(0, cfg.K // bk, piece, tuple(zero for _ in pairs))
+    Gs = gate_blocks(r, cfg, nb)[1] if cfg.gate == "scalar" else None
+    strict = iota((SUB, SUB), 0) > iota((SUB, SUB), 1)
+    A = {}
+    for (i, j), a in zip(pairs, acc):
+        if cfg.gate == "scalar":
+            d = Gs[i][:, None] - Gs[j][None, :]        # <= 0 below the diagonal
+            a = a * exp(jnp.where(strict, d, 0.0) if i == j else d)
+        A[i, j] = jnp.where(strict, a, 0.0) if i == j else a
+    return A
+
+
 def blocked_inverse(M, nb, cfg):
     """T = (I + M)^-1 for the unit lower-triangular chunk matrix given as 16x16 blocks M[i, j]
     (j <= i, float32): the diagonal blocks by forward substitution (one interleaved loop) or,
     for bf16 inputs with cfg.diag_products, Neumann products; then block merges with
     `merge_dots` bf16 dots per product for bf16 inputs (float32 inputs: float32-exact)."""
     low = cfg.low
-    merge = 3 if cfg.merge_dots == 3 else True
+    merge = cfg.merge_dots if cfg.merge_dots in (1, 3) else True
     diag = [M[i, i] for i in range(nb)]
     if cfg.diag_products and low:
         diag = [inv_unit_lower_products(d) for d in diag]
