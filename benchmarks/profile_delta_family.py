@@ -10,7 +10,8 @@ Run under Nsight Compute on the GPU machine, from the repository root:
 Everything is compiled and warmed up first; only one call of each phase (ours fwd, ours fwd+bwd,
 fla fwd, fla fwd+bwd, per op) runs between cudaProfilerStart/Stop, each phase opened by a marker
 kernel (torch.cuda._sleep) so the CSV can be split into phases. Env: SHAPE="4,4096,16,128",
-OPS="gdn,deltanet,kda".
+OPS="gdn,deltanet,kda", MODES="fwd,fwdbwd", OURS="default" (comma-separated TUNE entries of
+gpu_delta_family.py: our block sizes, one phase each).
 """
 from __future__ import annotations
 
@@ -74,36 +75,59 @@ def main():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
+    import functools
+    gpu = bench.gpu
+    modes = os.environ.get("MODES", "fwd,fwdbwd").split(",")
+    variants = os.environ.get("OURS", "default").split(",")
     phases = []
     for op in ops:
         gate = bench.GATE_OF[op]
         q, k, v, beta, g, do = bench.make_inputs(B, T, H, D, D, gate, jax.numpy.bfloat16)
-        fwd, fwdbwd = bench.jax_fns("pallas", gate, D)
-        ours = {"fwd": lambda: fwd(q, k, v, beta, g), "fwdbwd": lambda: fwdbwd(q, k, v, beta, g, do)}
+        ours = {}
+        for variant in variants:
+            # the public op looks the kernel entry point up at trace time: trace (warm up) with
+            # this variant's block sizes patched in
+            real = gpu.chunk_delta_family_gpu
+            gpu.chunk_delta_family_gpu = functools.partial(
+                real, block_sizes=gpu.GpuBlockSizes(**bench.TUNE[variant]))
+            try:
+                fwd, fwdbwd = bench.jax_fns("pallas", gate, D)
+                # bind this op's inputs now: the phases run after the loop over ops
+                args = (q, k, v, beta, g)
+                calls = {"fwd": lambda fwd=fwd, a=args: fwd(*a),
+                         "fwdbwd": lambda fwdbwd=fwdbwd, a=args, do=do: fwdbwd(*a, do)}
+                for m in modes:
+                    jax.block_until_ready(calls[m]())
+            finally:
+                gpu.chunk_delta_family_gpu = real
+            ours[variant] = calls
         tq = lambda x: torch.from_dlpack(x).detach().clone().requires_grad_()   # noqa: E731
         tq_, tk_, tv_, tb_ = tq(q), tq(k), tq(v), tq(beta)
         tg_ = None if g is None else tq(g)
         tdo = torch.from_dlpack(do).clone()
-        fla_fn = {"gdn": lambda: chunk_gated_delta_rule(tq_, tk_, tv_, tg_, tb_)[0],
-                  "deltanet": lambda: chunk_delta_rule(tq_, tk_, tv_, tb_)[0],
-                  "kda": lambda: chunk_kda(tq_, tk_, tv_, tg_, tb_)[0]}[op]
-        theirs = {"fwd": fla_fn, "fwdbwd": lambda: fla_fn().backward(tdo)}
+        t = (tq_, tk_, tv_, tg_, tb_)
+        fla_fn = {"gdn": lambda t=t: chunk_gated_delta_rule(t[0], t[1], t[2], t[3], t[4])[0],
+                  "deltanet": lambda t=t: chunk_delta_rule(t[0], t[1], t[2], t[4])[0],
+                  "kda": lambda t=t: chunk_kda(t[0], t[1], t[2], t[3], t[4])[0]}[op]
+        theirs = {"fwd": fla_fn, "fwdbwd": lambda f=fla_fn, do=tdo: f().backward(do)}
         for _ in range(3):
-            for f in ours.values():
-                jax.block_until_ready(f())
-            for f in theirs.values():
-                f()
+            for calls in ours.values():
+                for m in modes:
+                    jax.block_until_ready(calls[m]())
+            for m in modes:
+                theirs[m]()
         torch.cuda.synchronize()
         phases.append((op, ours, theirs))
 
     names = []
     torch.cuda.profiler.start()
     for op, ours, theirs in phases:
-        for mode in ("fwd", "fwdbwd"):
-            torch.cuda._sleep(1000)
-            torch.cuda.synchronize()
-            jax.block_until_ready(ours[mode]())
-            names.append(f"{op}/ours/{mode}")
+        for mode in modes:
+            for variant, calls in ours.items():
+                torch.cuda._sleep(1000)
+                torch.cuda.synchronize()
+                jax.block_until_ready(calls[mode]())
+                names.append(f"{op}/ours/{mode}" + ("" if variant == "default" else f"/{variant}"))
             torch.cuda._sleep(1000)
             torch.cuda.synchronize()
             theirs[mode]()
