@@ -94,8 +94,9 @@ class GpuBlockSizes:
     wide_intra:    K1 forms A = K K^T (no gate, scalar gate) and W = T X, U0 = T Y as
                    whole-chunk [C, C] dots, round-tripping 16x16 blocks of A and T through the
                    T output buffer with barriers (default for float32 inputs, no gate or the
-                   scalar gate, K <= 128: more accurate there); False (the other defaults):
-                   16-row sub-block dots.
+                   scalar gate, K <= 128: more accurate there; with the split K1 it shapes
+                   only the solve, and for bf16 inputs block_k_kkt takes precedence there);
+                   False (the other defaults): 16-row sub-block dots.
     block_k_kkt:   no gate / scalar gate, split K1: K columns per piece of the solve kernel's
                    A = K K^T, formed as 16x16 blocks in registers over a loop of pieces (as
                    fla's fused kkt + solve kernel; a power of two >= 16, capped at K; the whole
