@@ -1032,7 +1032,7 @@ def _prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_s
                       fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve),
                       block_k_out=bs.block_k_out, block_wu=bs.block_wu,
                       block_wu_channel=bs.block_wu_channel,
-                      block_kkt=0 if gate == "channel" else int(bs.block_k_kkt))
+                      block_kkt=int(bs.block_k_kkt))
     st = _Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
     return q, k, v, beta, g, s0, cu, st
 

@@ -475,8 +475,6 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
         return
     C, low = cfg.C, cfg.low
     nb = C // SUB
-    rr, cc = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
-    strict = rr > cc
     all_ = (slice(None), slice(None))
     wide_a = cfg.wide and cfg.gate != "channel"
     bs = [load_f32(r["beta"], pl.ds(b * SUB, SUB)) for b in range(nb)]
@@ -534,15 +532,7 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
                             *block_rows(r, cfg, i), SUB, cfg.K,
                             fwd=((ks[i], True), (qs[i], False)))
                 else:
-                    a = mm_nt(ks[i], ks[j], low)
-                    if cfg.gate == "scalar":
-                        d = Gs[i][:, None] - Gs[j][None, :]
-                        if i == j:
-                            d = jnp.where(strict, d, 0.0)
-                        a = a * exp(d)
-                    if i == j:
-                        a = jnp.where(strict, a, 0.0)
-                    A[i, j] = a
+                    A[i, j] = gated_kkt_block(mm_nt(ks[i], ks[j], low), i, j, Gs)
         M = {key: bs[key[0]][:, None] * a for key, a in A.items()}
 
     T = blocked_inverse(M, nb, cfg)
@@ -602,14 +592,18 @@ def kkt_blocks(r, cfg: KernelCfg):
     zero = jnp.zeros((SUB, SUB), F32)
     acc = lax.fori_loop(0, cfg.K // bk, piece, tuple(zero for _ in pairs))
     Gs = gate_blocks(r, cfg, nb)[1] if cfg.gate == "scalar" else None
+    return {key: gated_kkt_block(a, *key, Gs) for key, a in zip(pairs, acc)}
+
+
+def gated_kkt_block(a, i, j, Gs):
+    """Block (i, j) (j <= i) of k k^T made A's block: times exp(G_i - G_j) for the scalar gate (Gs:
+    per-block cumulative gates, else None; <= 0 below the diagonal, masked before the exp on
+    a diagonal block) and strictly lower on the diagonal."""
     strict = iota((SUB, SUB), 0) > iota((SUB, SUB), 1)
-    A = {}
-    for (i, j), a in zip(pairs, acc):
-        if cfg.gate == "scalar":
-            d = Gs[i][:, None] - Gs[j][None, :]        # <= 0 below the diagonal
-            a = a * exp(jnp.where(strict, d, 0.0) if i == j else d)
-        A[i, j] = jnp.where(strict, a, 0.0) if i == j else a
-    return A
+    if Gs is not None:
+        d = Gs[i][:, None] - Gs[j][None, :]
+        a = a * exp(jnp.where(strict, d, 0.0) if i == j else d)
+    return jnp.where(strict, a, 0.0) if i == j else a
 
 
 def blocked_inverse(M, nb, cfg):
