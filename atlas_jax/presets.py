@@ -231,9 +231,12 @@ def from_config(path, overrides=()):
     from atlas_jax.config import load_yaml, parse_overrides
 
     data = load_yaml(path)
-    unknown = sorted(set(data) - {"preset", "options"})
+    # ``model`` holds the language-model layer's settings (atlas_jax.models reads it); the
+    # recurrence needs only the preset and its options.
+    unknown = sorted(set(data) - {"preset", "options", "model"})
     if unknown or "preset" not in data:
-        raise ValueError(f"model config {str(path)!r}: expected keys 'preset' and 'options', got {sorted(data)}")
+        raise ValueError(f"model config {str(path)!r}: expected keys 'preset', 'options' and optionally "
+                         f"'model', got {sorted(data)}")
     options = dict(data.get("options") or {})
     options.update(parse_overrides(overrides))
     return get(data["preset"], **options)
