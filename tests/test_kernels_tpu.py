@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from atlas_jax.kernels.delta_family.tpu import BlockSizes, L2NORM_EPS, chunk_delta_family_tpu
+from atlas_jax.kernels.delta_family.support import L2NORM_EPS
+from atlas_jax.kernels.delta_family.tpu import BlockSizes, chunk_delta_family_tpu
 from atlas_jax.ops.delta_family import chunk_delta_family, recurrent_delta_family
 
 B, T, H, K, V = 2, 37, 2, 16, 24          # T odd: not a multiple of the chunk

@@ -1,13 +1,21 @@
-"""Public sequence-mixing ops (flash-linear-attention compatible signatures)."""
+"""Public sequence-mixing ops (flash-linear-attention compatible signatures).
+
+`run_delta_family` is the one validated entry of the delta family (what the forms call); the
+five fla-compatible ops are thin wrappers over it. Importing this package imports no Pallas
+kernel: they load at trace time, when a call picks them.
+"""
 
 from __future__ import annotations
 
 from atlas_jax.ops.delta_family.api import (
+    IMPLS,
     delta_product,
     delta_rule,
     gated_delta_rule,
     kda,
     linear_attention,
+    run_delta_family,
 )
 
-__all__ = ["delta_product", "delta_rule", "gated_delta_rule", "kda", "linear_attention"]
+__all__ = ["IMPLS", "delta_product", "delta_rule", "gated_delta_rule", "kda",
+           "linear_attention", "run_delta_family"]

@@ -15,6 +15,20 @@ the per-chunk start states; the backward recomputes each chunk's intra-chunk qua
 `BlockSizes(fused=False)` splits each direction into an all-parallel intra-chunk kernel and a
 thin sequential state kernel tiled over V.
 
+Files: this entry (validation through `support.py`, layout glue, the `jax.custom_vjp`);
+`tpu_kernels.py` (kernel bodies and their launchers); `tpu_math.py` (per-chunk math). Kernels,
+N = chunks, Vb = BlockSizes.block_v; the chunk axis is the last, "arbitrary" grid axis of the
+sequential ones:
+
+  label kernel body (tpu_kernels)  launcher   grid             runs when
+  TF    _fused_fwd_kernel          fused_fwd  (B, H, N)        default (fused=True): forward
+  TB    _fused_bwd_kernel          fused_bwd  (B, H, N)        default: backward, chunks reversed
+  T1    _intra_fwd_kernel          intra_fwd  (B, H, N)        fused=False: forward, and again in
+                                                               the backward (full=False)
+  T2    _state_fwd_kernel          state_fwd  (B, H, V/Vb, N)  fused=False: forward
+  T3    _state_bwd_kernel          state_bwd  (B, H, V/Vb, N)  fused=False: backward, reversed
+  T4    _intra_bwd_kernel          intra_bwd  (B, H, N)        fused=False: backward
+
 Numerics: gates, decay exponents, the (I + diag(beta) A)^{-1} solve (blocked forward
 substitution), states and all accumulations are float32; float32 matmuls ask for
 Precision.HIGHEST; bf16 inputs enter the q.k / k.k products of the none/scalar gates as bf16
@@ -43,12 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
+from atlas_jax.kernels.delta_family import support
 from atlas_jax.kernels.delta_family import tpu_kernels as tk
 
-__all__ = ["BlockSizes", "chunk_delta_family_tpu", "L2NORM_EPS"]
+__all__ = ["BlockSizes", "chunk_delta_family_tpu"]
 
 F32 = jnp.float32
-L2NORM_EPS = 1e-6      # normalize_qk: x / sqrt(sum(x^2) + eps), as flash-linear-attention's l2norm
 _FN = "chunk_delta_family_tpu"
 
 
@@ -224,22 +238,6 @@ def _run(cfg, output_final_state, q, k, v, beta, g, h0, cu):
 # ------------------------------------------------------------------------------------------------
 # public entry point
 # ------------------------------------------------------------------------------------------------
-def _float(name, x, allowed=None):
-    if not hasattr(x, "dtype"):
-        x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{_FN}: argument `{name}` must have a floating dtype; got {x.dtype}.")
-    if allowed is not None and x.dtype not in allowed:
-        raise TypeError(f"{_FN}: argument `{name}` must be float32 or bfloat16; got {x.dtype}.")
-    return x
-
-
-def _shape(name, x, expected, layout, hint=""):
-    if tuple(x.shape) != tuple(expected):
-        raise ValueError(f"{_FN}: argument `{name}` must have shape {layout} = "
-                         f"{tuple(expected)}; got {tuple(x.shape)}." + (" " + hint if hint else ""))
-
-
 def _positive_int(name, x):
     if isinstance(x, bool) or not isinstance(x, (numbers.Integral, np.integer)) or int(x) <= 0:
         raise ValueError(f"{_FN}: argument `{name}` must be a positive int; got {x!r}.")
@@ -271,14 +269,14 @@ def chunk_delta_family_tpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
       scale: multiplier on q (a Python float; the ops layer passes 1/sqrt(K)).
       initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens) start states, or None.
       output_final_state: also return the final state(s).
-      chunk_size: tokens per chunk (a multiple of 8, of 16 for bfloat16). Any T is accepted;
+      chunk_size: tokens per chunk, one of support.CHUNK_SIZES. Any T is accepted;
         the tail is zero-padded internally (k = v = beta = g = 0 leaves the state unchanged).
       cu_seqlens: None, or int32 [N + 1] cumulative sequence lengths of N sequences packed
         along T of a B = 1 batch (flash-linear-attention convention: cu[0] = 0, cu[N] = T).
         Every sequence starts from its own initial state (zeros without initial_state) and
         no state crosses a boundary; the final state is [N, H, K, V].
       normalize_qk: L2-normalise q and k per head inside the kernels,
-        x / sqrt(sum(x^2) + L2NORM_EPS), before `scale`.
+        x / sqrt(sum(x^2) + support.L2NORM_EPS), before `scale`.
       interpret: None: TPU interpret mode unless the default backend is a TPU. True /
         a pltpu.InterpretParams: interpret mode. False: compile with Mosaic (TPU only).
       block_sizes: optional BlockSizes; its chunk_size then replaces `chunk_size`.
@@ -288,41 +286,11 @@ def chunk_delta_family_tpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
 
     Only TPU interpret mode on CPU has been run; see the module docstring.
     """
-    q = _float("q", q, (jnp.float32, jnp.bfloat16))
-    k = _float("k", k, (jnp.float32, jnp.bfloat16))
-    v = _float("v", v, (jnp.float32, jnp.bfloat16))
-    if q.ndim != 4:
-        raise ValueError(f"{_FN}: argument `q` must have rank 4 with layout [B, T, H, K]; got "
-                         f"shape {tuple(q.shape)}.")
-    B, T, H, K = q.shape
-    if T == 0:
-        raise ValueError(f"{_FN}: argument `q` has T = 0 tokens; nothing to compute.")
-    _shape("k", k, (B, T, H, K), "[B, T, H, K]", "k must have q's shape.")
-    if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"{_FN}: argument `v` must have shape [B, T, H, V] = {(B, T, H)} + "
-                         f"(V,); got {tuple(v.shape)}.")
-    V = v.shape[-1]
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{_FN}: arguments `q`, `k`, `v` must share one dtype; got {q.dtype}, "
-                        f"{k.dtype}, {v.dtype}.")
-    if beta is not None:
-        beta = _float("beta", beta)
-        _shape("beta", beta, (B, T, H), "[B, T, H]", "beta is one write strength per token.")
-    mode = "none"
-    if g is not None:
-        g = _float("g", g)
-        if g.ndim == 3:
-            _shape("g", g, (B, T, H), "[B, T, H]")
-            mode = "scalar"
-        elif g.ndim == 4:
-            _shape("g", g, (B, T, H, K), "[B, T, H, K]")
-            mode = "channel"
-        else:
-            raise ValueError(f"{_FN}: argument `g` must be None, [B, T, H] (scalar log-decay) or "
-                             f"[B, T, H, K] (per-key-channel log-decay); got {tuple(g.shape)}.")
-    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating)):
-        raise TypeError(f"{_FN}: argument `scale` must be a Python float (static); got "
-                        f"{scale!r}.")
+    q, k, v, beta, g, initial_state, cu, call = support.check_delta_call(
+        _FN, q, k, v, beta, g, initial_state, cu_seqlens, kernel=True,
+        allow_traced_cu_seqlens=True)
+    V = call.V
+    support.check_scale(_FN, scale, static=True)
 
     # block sizes
     if block_sizes is None:
@@ -330,11 +298,8 @@ def chunk_delta_family_tpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
     elif not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"{_FN}: argument `block_sizes` must be a BlockSizes; got "
                         f"{type(block_sizes).__name__}.")
-    C = _positive_int("chunk_size", block_sizes.chunk_size)
-    tile = 16 if q.dtype == jnp.bfloat16 else 8
-    if C % tile:
-        raise ValueError(f"{_FN}: argument `chunk_size` must be a multiple of {tile} (the TPU "
-                         f"sublane tile for {q.dtype} inputs); got {C}.")
+    # The sublane tile (8 rows, 16 for bf16) divides every supported chunk size.
+    C = support.check_chunk_size(_FN, block_sizes.chunk_size, kernel=True)
     sub = min(16, C) if block_sizes.sub_chunk is None else _positive_int(
         "block_sizes.sub_chunk", block_sizes.sub_chunk)
     if C % sub or (sub % 8 and sub != C):
@@ -347,38 +312,10 @@ def chunk_delta_family_tpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
             raise ValueError(f"{_FN}: argument `block_sizes.block_v` must divide V = {V} and be "
                              f"V or a multiple of 128; got {bv}.")
 
-    # packed sequences
-    n_states = B
-    cu = None
-    if cu_seqlens is not None:
-        if not hasattr(cu_seqlens, "dtype"):
-            cu_seqlens = np.asarray(cu_seqlens)
-        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer) or cu_seqlens.ndim != 1 or \
-                cu_seqlens.shape[0] < 2:
-            raise ValueError(f"{_FN}: argument `cu_seqlens` must be a 1-D integer array [N + 1] "
-                             f"(N >= 1); got dtype {cu_seqlens.dtype}, shape "
-                             f"{tuple(cu_seqlens.shape)}.")
-        if B != 1:
-            raise ValueError(f"{_FN}: argument `cu_seqlens` needs the sequences packed into a "
-                             f"batch of one (B = 1); got B = {B}.")
-        try:
-            c_np = np.asarray(cu_seqlens)            # concrete: check it; traced: trust it
-        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-            c_np = None
-        if c_np is not None:
-            if c_np[0] != 0 or c_np[-1] != T or np.any(np.diff(c_np) < 0):
-                raise ValueError(f"{_FN}: argument `cu_seqlens` must rise from 0 to T = {T}; "
-                                 f"got {c_np.tolist()}.")
-        n_states = cu_seqlens.shape[0] - 1
-        cu = jnp.asarray(cu_seqlens, jnp.int32)
-    if initial_state is not None:
-        initial_state = _float("initial_state", initial_state)
-        lead = "N" if cu is not None else "B"
-        _shape("initial_state", initial_state, (n_states, H, K, V), f"[{lead}, H, K, V]",
-               "The state is float32 with keys on rows and values on columns.")
-
-    cfg = _Config(mode=mode, chunk=C, sub=sub, bv=bv, fused=bool(block_sizes.fused),
+    if cu is not None:
+        cu = jnp.asarray(cu, jnp.int32)
+    cfg = _Config(mode=call.gate, chunk=C, sub=sub, bv=bv, fused=bool(block_sizes.fused),
                   scale=float(scale),
-                  normalize=bool(normalize_qk), eps=L2NORM_EPS,
+                  normalize=bool(normalize_qk), eps=support.L2NORM_EPS,
                   interpret=_resolve_interpret(interpret))
     return _run(cfg, bool(output_final_state), q, k, v, beta, g, initial_state, cu)

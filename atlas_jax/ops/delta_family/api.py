@@ -5,6 +5,10 @@ All of them run one recurrence on a state S in R^{K x V} (float32), per token t:
     S <- exp(g_t) * S                       (scalar gate: all of S; channel gate: row-wise)
     S <- S + beta_t k_t (v_t - S^T k_t)^T   (delta write; linear_attention: S + beta_t k_t v_t^T)
     o_t = S^T (scale q_t)
+
+`run_delta_family` is the one entry: it validates the call (`kernels/delta_family/support.py`
+owns every rule and supported size), picks the implementation and runs it. The five
+fla-compatible ops below are thin wrappers over it, and the forms call it too.
 """
 
 from __future__ import annotations
@@ -15,27 +19,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlas_jax.ops import _validate as val
+from atlas_jax.kernels.delta_family import support
 from atlas_jax.ops.delta_family.chunk import chunk_delta_family
 from atlas_jax.ops.delta_family.naive import recurrent_delta_family
 
-# What a gate of each rank means, for the error messages.
-_SCALAR, _CHANNEL = "[B, T, H]", "[B, T, H, K]"
-
-
-# What the Pallas kernels (atlas_jax.kernels.delta_family) cover.
-PALLAS_HEAD_DIMS = (64, 128, 256)
-PALLAS_CHUNK_SIZES = (16, 32, 64)
-L2NORM_EPS = 1e-6   # fla's l2norm: x / sqrt(sum x^2 + eps)
+IMPLS = support.IMPLS
 
 
 def _backend():
     return jax.default_backend()
 
 
+def _on_accelerator():
+    return _backend() in ("gpu", "cuda", "rocm", "tpu")
+
+
 def _pallas_kernel():
     """The kernel for this backend: Mosaic on TPU, the Triton lowering elsewhere (on CPU it runs
-    in Pallas interpret mode, which is how CI tests it)."""
+    in Pallas interpret mode, which is how CI tests it). Imported here, at trace time, so that
+    importing atlas_jax.ops does not import Pallas."""
     if _backend() == "tpu":
         from atlas_jax.kernels.delta_family.tpu import chunk_delta_family_tpu
         return chunk_delta_family_tpu
@@ -43,43 +45,36 @@ def _pallas_kernel():
     return chunk_delta_family_gpu
 
 
-def _pallas_unsupported(delta, q, v, chunk_size):
-    """Why the Pallas kernels cannot take this call (None when they can)."""
-    if not delta:
-        return "the kernels implement the delta write only (not linear_attention's additive write)"
-    # Interpret mode (CPU) also takes the small head dims the kernel tests use.
-    dims = PALLAS_HEAD_DIMS + ((16, 32) if _backend() == "cpu" else ())
-    if q.shape[-1] not in dims or v.shape[-1] not in dims:
-        return f"head dims K={q.shape[-1]}, V={v.shape[-1]} (supported: {dims})"
-    if int(chunk_size) not in PALLAS_CHUNK_SIZES:
-        return f"chunk_size={chunk_size} (supported: {PALLAS_CHUNK_SIZES})"
-    if q.dtype not in (jnp.float32, jnp.bfloat16) or not (q.dtype == v.dtype):
-        return f"dtype {q.dtype}/{v.dtype} (supported: float32 or bfloat16, the same for q, k, v)"
-    return None
+def _kernel_gap(call, q, k, v, chunk_size, delta):
+    return support.kernel_gap(call, (q.dtype, k.dtype, v.dtype), chunk_size, delta=delta,
+                              interpret=_backend() == "cpu")
 
 
-def _resolve_impl(fn, impl, *, delta, q, v, chunk_size):
+def _choose_impl(op, impl, call, q, k, v, chunk_size, delta):
+    """"auto": the kernels on GPU/TPU when they cover the call, else the exact XLA chunk form
+    (on CPU it beats interpret mode by orders of magnitude). "pallas" when they do not cover
+    it: NotImplementedError saying why."""
     if impl == "auto":
-        # The kernels on GPU/TPU when they cover the call; the exact XLA chunk form otherwise
-        # (on CPU it beats interpret mode by orders of magnitude).
-        if _backend() in ("gpu", "cuda", "tpu") and _pallas_unsupported(delta, q, v, chunk_size) is None:
+        if _on_accelerator() and _kernel_gap(call, q, k, v, chunk_size, delta) is None:
             return "pallas"
         return "chunk"
     if impl == "pallas":
-        why = _pallas_unsupported(delta, q, v, chunk_size)
+        why = _kernel_gap(call, q, k, v, chunk_size, delta)
         if why is not None:
-            raise NotImplementedError(f"{fn}: impl='pallas' does not support {why}; use impl='chunk' "
-                                      "or impl='auto'.")
+            raise NotImplementedError(f"{op}: impl='pallas' does not support {why}; use "
+                                      f"impl='chunk' or impl='auto'.")
     return impl
 
 
 def _l2norm(x):
     xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
+    rinv = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + support.L2NORM_EPS)
+    return (xf * rinv).astype(x.dtype)
 
 
-def _run(impl, q, k, v, beta, g, *, delta, scale, initial_state, output_final_state,
-         chunk_size, cu_seqlens=None, normalize_qk=False):
+def _execute(impl, q, k, v, beta, g, *, delta, scale, initial_state, output_final_state,
+             chunk_size, cu_seqlens=None, normalize_qk=False):
+    """Runs a validated call with a chosen impl ("recurrent", "chunk" or "pallas")."""
     if impl == "pallas":
         return _pallas_kernel()(q, k, v, beta, g, scale=float(scale), initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=int(chunk_size),
@@ -87,9 +82,10 @@ def _run(impl, q, k, v, beta, g, *, delta, scale, initial_state, output_final_st
     if normalize_qk:
         q, k = _l2norm(q), _l2norm(k)
     if cu_seqlens is not None:
-        return _run_varlen_xla(impl, q, k, v, beta, g, delta=delta, scale=scale,
-                               initial_state=initial_state, output_final_state=output_final_state,
-                               chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+        return _execute_packed_xla(impl, q, k, v, beta, g, delta=delta, scale=scale,
+                                   initial_state=initial_state,
+                                   output_final_state=output_final_state,
+                                   chunk_size=chunk_size, cu_seqlens=cu_seqlens)
     if impl == "recurrent":
         return recurrent_delta_family(q, k, v, beta, g, delta=delta, scale=scale,
                                       initial_state=initial_state,
@@ -99,7 +95,7 @@ def _run(impl, q, k, v, beta, g, *, delta, scale, initial_state, output_final_st
                               output_final_state=output_final_state, chunk_size=int(chunk_size))
 
 
-def _run_varlen_xla(impl, q, k, v, beta, g, *, cu_seqlens, initial_state, **kw):
+def _execute_packed_xla(impl, q, k, v, beta, g, *, cu_seqlens, initial_state, **kw):
     """Packed sequences through the XLA forms: each sequence becomes a batch row padded with
     k = v = beta = g = 0 (which leaves its state unchanged), so nothing crosses a boundary."""
     cu = np.asarray(cu_seqlens).astype(np.int64)
@@ -115,112 +111,86 @@ def _run_varlen_xla(impl, q, k, v, beta, g, *, cu_seqlens, initial_state, **kw):
         y = jnp.take(x[0], jnp.asarray(index), axis=0)
         return jnp.where(valid.reshape(valid.shape + (1,) * (y.ndim - 2)), y, jnp.zeros((), y.dtype))
 
-    o, final = _run(impl, rows(q), rows(k), rows(v), rows(beta), rows(g), initial_state=initial_state, **kw)
+    o, final = _execute(impl, rows(q), rows(k), rows(v), rows(beta), rows(g),
+                        initial_state=initial_state, **kw)
     seq = np.repeat(np.arange(n), lens)
     within = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)
     return o[jnp.asarray(seq), jnp.asarray(within)][None], final
 
 
-def _check_cu_seqlens(fn, cu_seqlens, B, T, impl):
-    """Returns the number of packed sequences (or B without cu_seqlens)."""
-    if cu_seqlens is None:
-        return B
-    if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-        cu_seqlens = np.asarray(cu_seqlens)
-        if not np.issubdtype(cu_seqlens.dtype, np.integer):
-            raise TypeError(f"{fn}: argument `cu_seqlens` must be integer offsets; got {cu_seqlens.dtype}.")
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"{fn}: argument `cu_seqlens` must have shape [N + 1] (N >= 1 sequences); "
-                         f"got {tuple(cu_seqlens.shape)}.")
-    if B != 1:
-        raise ValueError(f"{fn}: argument `cu_seqlens` packs sequences along T of a batch of one; "
-                         f"got B = {B}. Reshape to [1, total_T, H, D].")
-    if isinstance(cu_seqlens, jax.core.Tracer):
-        if impl != "pallas":
-            raise ValueError(f"{fn}: argument `cu_seqlens` must be concrete (not traced) for "
-                             f"impl={impl!r}; pass it as a NumPy array or use impl='pallas'.")
-    else:
-        c = np.asarray(cu_seqlens)
-        if c[0] != 0 or c[-1] != T or np.any(np.diff(c) < 0):
-            raise ValueError(f"{fn}: argument `cu_seqlens` must be non-decreasing offsets from 0 to "
-                             f"T = {T}; got {c.tolist()}.")
-    return cu_seqlens.shape[0] - 1
+def _validate(op, q, k, v, beta, g, *, scale, initial_state, impl, chunk_size, cu_seqlens,
+              delta, gate_ranks=(3, 4), gate_required=False, steps=False):
+    """The one checker (support.py), then the impl; returns the arrays, the impl and the scale."""
+    support.check_impl(op, impl)
+    support.check_chunk_size(op, chunk_size)
+    support.check_scale(op, scale)
+    q, k, v, beta, g, s0, cu, call = support.check_delta_call(
+        op, q, k, v, beta, g, initial_state, cu_seqlens, gate_ranks=gate_ranks,
+        gate_required=gate_required, steps=steps, allow_traced_cu_seqlens=True)
+    impl = _choose_impl(op, impl, call, q, k, v, chunk_size, delta)
+    if cu is not None and impl != "pallas":     # the XLA forms lay out packed rows on the host
+        support.require_concrete_cu_seqlens(op, cu, impl)
+    scale = 1.0 / math.sqrt(call.K) if scale is None else scale
+    return q, k, v, beta, g, s0, cu, impl, scale
 
 
-def _check_gate(fn, g, B, T, H, K, allowed):
-    """Validates g against the gate ranks `allowed` (subset of {3, 4}); None handled by caller."""
-    g = val.as_float_array(fn, "g", g)
-    if g.ndim not in allowed:
-        if fn == "gated_delta_rule" and g.ndim == 4:
-            raise ValueError(
-                f"gated_delta_rule: argument `g` must be a scalar log-decay per head and token "
-                f"with shape {_SCALAR} = {(B, T, H)}; got {tuple(g.shape)}, a per-key-channel "
-                f"gate {_CHANNEL}. For channel-wise decay use atlas_jax.ops.kda.")
-        if fn == "kda" and g.ndim == 3:
-            raise ValueError(
-                f"kda: argument `g` must be a per-key-channel log-decay with shape {_CHANNEL} = "
-                f"{(B, T, H, K)}; got {tuple(g.shape)}, a scalar gate {_SCALAR}. For one scalar "
-                f"decay per head use atlas_jax.ops.gated_delta_rule.")
-        layouts = " or ".join({3: _SCALAR, 4: _CHANNEL}[r] for r in allowed)
-        raise ValueError(f"{fn}: argument `g` must have layout {layouts}; got shape "
-                         f"{tuple(g.shape)}.")
-    if g.ndim == 3:
-        val.check_shape(fn, "g", g, (B, T, H), _SCALAR, "g is a log-decay per head and token.")
-    else:
-        val.check_shape(fn, "g", g, (B, T, H, K), _CHANNEL,
-                        "g is a log-decay per head, token and key channel.")
-    return g
+def run_delta_family(q, k, v, beta, g=None, *, delta: bool = True, scale=None,
+                     initial_state=None, output_final_state=False, impl="auto", chunk_size=64,
+                     cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    """Validates and runs one delta-family recurrence; the entry of the ops and the forms.
+
+    Args:
+      q, k: [B, T, H, K]. v: [B, T, H, V]. beta: [B, T, H] (None means 1.0).
+      g: None (no decay), [B, T, H] scalar or [B, T, H, K] per-key-channel log-decay.
+      delta: True: the delta write S + beta_t k_t (v_t - S^T k_t)^T; False: linear attention's
+        additive write S + beta_t k_t v_t^T (the XLA forms only).
+      scale: query scale, default 1/sqrt(K).
+      initial_state: [B, H, K, V] ([N, H, K, V] with cu_seqlens) or None (zeros).
+      output_final_state: also return the final state.
+      impl: one of IMPLS: "recurrent" (float32 scan reference), "chunk" (exact chunked XLA
+        form), "pallas" (the kernels: Triton lowering on GPU, Mosaic on TPU, interpret mode on
+        CPU) or "auto" (the kernels on GPU/TPU when they cover the call, else "chunk").
+      chunk_size: tokens per chunk of the chunked forms (any positive int for "chunk"; the
+        kernels take support.CHUNK_SIZES); any T is accepted.
+      cu_seqlens: None, or int [N + 1] offsets of N sequences packed along T of a batch of one
+        (fla's varlen convention); no state crosses a boundary. Must be concrete for the XLA
+        impls.
+      use_qk_l2norm_in_kernel: L2-normalise q and k first (x / sqrt(sum x^2 + L2NORM_EPS)),
+        inside the kernel for impl="pallas".
+
+    Returns:
+      (o [B, T, H, V] in v.dtype, final state [B or N, H, K, V] float32 or None).
+    """
+    return _run_op("run_delta_family", q, k, v, beta, g, delta=delta, scale=scale,
+                   initial_state=initial_state, output_final_state=output_final_state,
+                   impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
-def _prepare(fn, q, k, v, beta, g, scale, initial_state, impl, chunk_size, *, g_ranks,
-             g_required, product=False, cu_seqlens=None):
-    """Shared validation; returns arrays (g and beta possibly None) and the resolved impl/scale."""
-    val.check_impl(fn, impl)
-    val.check_chunk_size(fn, chunk_size)
-    val.check_scale(fn, scale)
-    q = val.as_float_array(fn, "q", q)
-    k = val.as_float_array(fn, "k", k)
-    v = val.as_float_array(fn, "v", v)
-    val.check_rank(fn, "q", q, "[B, T, H, K]")
-    B, T, H, K = q.shape
-    if product:
-        val.check_rank(fn, "k", k, "[B, T, H, n_h, K]")
-        n = k.shape[3]
-        val.check_shape(fn, "k", k, (B, T, H, n, K), "[B, T, H, n_h, K]",
-                        "k must share B, T, H and K with q.")
-        val.check_rank(fn, "v", v, "[B, T, H, n_h, V]")
-        val.check_shape(fn, "v", v, (B, T, H, n, v.shape[-1]), "[B, T, H, n_h, V]",
-                        "v must share B, T, H and n_h with k.")
-        beta_shape, beta_layout = (B, T, H, n), "[B, T, H, n_h]"
-    else:
-        val.check_rank(fn, "k", k, "[B, T, H, K]")
-        val.check_shape(fn, "k", k, (B, T, H, K), "[B, T, H, K]", "k must have q's shape.")
-        val.check_rank(fn, "v", v, "[B, T, H, V]")
-        val.check_shape(fn, "v", v, (B, T, H, v.shape[-1]), "[B, T, H, V]",
-                        "v must share B, T and H with q.")
-        beta_shape, beta_layout = (B, T, H), "[B, T, H]"
-    V = v.shape[-1]
-    if beta is not None:
-        beta = val.as_float_array(fn, "beta", beta)
-        val.check_shape(fn, "beta", beta, beta_shape, beta_layout,
-                        "beta is one write strength per head and token"
-                        + (" and step." if product else "."))
-    if g is None:
-        if g_required:
-            raise ValueError(
-                f"{fn}: argument `g` is required (log-decay); for no decay use "
-                f"atlas_jax.ops.delta_rule.")
-    else:
-        g = _check_gate(fn, g, B, T, H, K, g_ranks)
-    impl = _resolve_impl(fn, impl, delta=fn != "linear_attention", q=q, v=v, chunk_size=chunk_size)
-    n_states = _check_cu_seqlens(fn, cu_seqlens, B, T, impl)
-    if initial_state is not None:
-        initial_state = val.as_float_array(fn, "initial_state", initial_state)
-        layout = "[N, H, K, V] (N packed sequences)" if cu_seqlens is not None else "[B, H, K, V]"
-        val.check_shape(fn, "initial_state", initial_state, (n_states, H, K, V), layout,
-                        "The state is float32 with keys on rows and values on columns.")
-    scale = 1.0 / math.sqrt(K) if scale is None else scale
-    return q, k, v, beta, g, scale, initial_state, impl
+def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_state, impl,
+            chunk_size, cu_seqlens, use_qk_l2norm_in_kernel, gate_ranks=(3, 4),
+            gate_required=False):
+    q, k, v, beta, g, s0, cu, impl, scale = _validate(
+        op, q, k, v, beta, g, scale=scale, initial_state=initial_state, impl=impl,
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens, delta=delta, gate_ranks=gate_ranks,
+        gate_required=gate_required)
+    return _execute(impl, q, k, v, beta, g, delta=delta, scale=scale, initial_state=s0,
+                    output_final_state=output_final_state, chunk_size=chunk_size,
+                    cu_seqlens=cu, normalize_qk=use_qk_l2norm_in_kernel)
+
+
+# The two private entries atlas_jax/forms/chunked.py calls until it moves to run_delta_family.
+def _resolve_impl(fn, impl, *, delta, q, v, chunk_size):
+    call = support.DeltaCall(B=q.shape[0], T=q.shape[1], H=q.shape[2], K=q.shape[-1],
+                             V=v.shape[-1], n_states=q.shape[0], gate="none")
+    return _choose_impl(fn, impl, call, q, q, v, chunk_size, delta)
+
+
+_run = _execute
+
+
+# ---------------------------------------------------------------------------------------------
+# The fla-compatible ops
 
 
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -229,29 +199,16 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
 
     Args:
       q, k: [B, T, H, K]. v: [B, T, H, V]. beta: [B, T, H] (None means 1.0).
-      scale: query scale, default 1/sqrt(K).
-      initial_state: [B, H, K, V] or None (zeros).
-      output_final_state: also return the final state.
-      impl: "recurrent" (float32 scan reference), "chunk" (exact chunked XLA form), "pallas"
-        (the kernels: Triton lowering on GPU, Mosaic on TPU, interpret mode on CPU) or "auto"
-        (the kernels on GPU/TPU when they cover the call, else "chunk").
-      chunk_size: tokens per chunk for the chunked forms; any T is accepted.
-      cu_seqlens: None, or int [N + 1] offsets of N sequences packed along T of a batch of one
-        (fla's varlen convention); initial/final states are then [N, H, K, V] and no state
-        crosses a boundary. Must be concrete for the XLA impls.
-      use_qk_l2norm_in_kernel: L2-normalise q and k first (x / sqrt(sum x^2 + 1e-6)), inside
-        the kernel for impl="pallas".
+      Others as `run_delta_family` (scale, initial_state, output_final_state, impl, chunk_size,
+      cu_seqlens, use_qk_l2norm_in_kernel).
 
     Returns:
       (o [B, T, H, V] in v.dtype, final state [B or N, H, K, V] float32 or None).
     """
-    fn = "delta_rule"
-    q, k, v, beta, _, scale, s0, impl = _prepare(
-        fn, q, k, v, beta, None, scale, initial_state, impl, chunk_size, g_ranks=(),
-        g_required=False, cu_seqlens=cu_seqlens)
-    return _run(impl, q, k, v, beta, None, delta=True, scale=scale, initial_state=s0,
-                output_final_state=output_final_state, chunk_size=chunk_size,
-                cu_seqlens=cu_seqlens, normalize_qk=use_qk_l2norm_in_kernel)
+    return _run_op("delta_rule", q, k, v, beta, None, delta=True, scale=scale,
+                   initial_state=initial_state, output_final_state=output_final_state,
+                   impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -261,13 +218,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
 
     Arguments and returns as `delta_rule`; g is required.
     """
-    fn = "gated_delta_rule"
-    q, k, v, beta, g, scale, s0, impl = _prepare(
-        fn, q, k, v, beta, g, scale, initial_state, impl, chunk_size, g_ranks=(3,),
-        g_required=True, cu_seqlens=cu_seqlens)
-    return _run(impl, q, k, v, beta, g, delta=True, scale=scale, initial_state=s0,
-                output_final_state=output_final_state, chunk_size=chunk_size,
-                cu_seqlens=cu_seqlens, normalize_qk=use_qk_l2norm_in_kernel)
+    return _run_op("gated_delta_rule", q, k, v, beta, g, delta=True, scale=scale,
+                   initial_state=initial_state, output_final_state=output_final_state,
+                   impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_ranks=(3,),
+                   gate_required=True)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -276,13 +231,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 
     Arguments and returns as `delta_rule`; g is required.
     """
-    fn = "kda"
-    q, k, v, beta, g, scale, s0, impl = _prepare(
-        fn, q, k, v, beta, g, scale, initial_state, impl, chunk_size, g_ranks=(4,),
-        g_required=True, cu_seqlens=cu_seqlens)
-    return _run(impl, q, k, v, beta, g, delta=True, scale=scale, initial_state=s0,
-                output_final_state=output_final_state, chunk_size=chunk_size,
-                cu_seqlens=cu_seqlens, normalize_qk=use_qk_l2norm_in_kernel)
+    return _run_op("kda", q, k, v, beta, g, delta=True, scale=scale,
+                   initial_state=initial_state, output_final_state=output_final_state,
+                   impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_ranks=(4,),
+                   gate_required=True)
 
 
 def linear_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
@@ -293,13 +246,10 @@ def linear_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
     g is None (linear attention), [B, T, H] (RetNet with a constant, Mamba2) or [B, T, H, K]
     (GLA); beta [B, T, H] or None (1.0). Other arguments and returns as `delta_rule`.
     """
-    fn = "linear_attention"
-    q, k, v, beta, g, scale, s0, impl = _prepare(
-        fn, q, k, v, beta, g, scale, initial_state, impl, chunk_size, g_ranks=(3, 4),
-        g_required=False, cu_seqlens=cu_seqlens)
-    return _run(impl, q, k, v, beta, g, delta=False, scale=scale, initial_state=s0,
-                output_final_state=output_final_state, chunk_size=chunk_size,
-                cu_seqlens=cu_seqlens, normalize_qk=use_qk_l2norm_in_kernel)
+    return _run_op("linear_attention", q, k, v, beta, g, delta=False, scale=scale,
+                   initial_state=initial_state, output_final_state=output_final_state,
+                   impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def delta_product(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -316,10 +266,9 @@ def delta_product(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Returns:
       (o [B, T, H, V] in v.dtype, final state [B, H, K, V] float32 or None).
     """
-    fn = "delta_product"
-    q, k, v, beta, g, scale, s0, impl = _prepare(
-        fn, q, k, v, beta, g, scale, initial_state, impl, chunk_size, g_ranks=(3, 4),
-        g_required=False, product=True, cu_seqlens=cu_seqlens)
+    q, k, v, beta, g, s0, cu, impl, scale = _validate(
+        "delta_product", q, k, v, beta, g, scale=scale, initial_state=initial_state, impl=impl,
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens, delta=True, steps=True)
     B, T, H, n, K = k.shape
     V = v.shape[-1]
 
@@ -340,11 +289,11 @@ def delta_product(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     # Only the last sub-step's output is kept, so q is only needed there.
     qx = jnp.where(last.reshape(1, 1, n, 1, 1), q[:, :, None], jnp.zeros((), q.dtype))
     qx = qx.reshape(B, T * n, H, K)
-    if cu_seqlens is None:
+    if cu is None:
         cu_steps = None
     else:   # offsets in sub-steps
-        cu_steps = cu_seqlens * n if hasattr(cu_seqlens, "dtype") else np.asarray(cu_seqlens) * n
-    o, s = _run(impl, qx, kx, vx, bx, gx, delta=True, scale=scale, initial_state=s0,
-                output_final_state=output_final_state, chunk_size=chunk_size,
-                cu_seqlens=cu_steps, normalize_qk=use_qk_l2norm_in_kernel)
+        cu_steps = cu * n if hasattr(cu, "dtype") else np.asarray(cu) * n
+    o, s = _execute(impl, qx, kx, vx, bx, gx, delta=True, scale=scale, initial_state=s0,
+                    output_final_state=output_final_state, chunk_size=chunk_size,
+                    cu_seqlens=cu_steps, normalize_qk=use_qk_l2norm_in_kernel)
     return o.reshape(B, T, n, H, V)[:, :, -1], s

@@ -1,0 +1,297 @@
+"""What the delta-family kernels support, and the one argument checker of every delta-family call.
+
+Pure Python (NumPy and jax.numpy only, no Pallas, Triton or Mosaic), so that the public ops can
+validate a call and decide whether the kernels cover it without importing a kernel.
+
+Each knob has exactly one owner here:
+  CHUNK_SIZES          chunk sizes the Pallas kernels take (GPU and TPU)
+  GPU_HEAD_DIMS        head dims K, V the GPU (Triton) kernels compile for
+  INTERPRET_HEAD_DIMS  further head dims taken in Pallas interpret mode (the CPU tests' sizes)
+  L2NORM_EPS           in-kernel L2 normalisation of q and k: x / sqrt(sum x^2 + eps), as fla
+  KERNEL_DTYPES        dtypes of q, k, v the kernels take (float32 accumulation either way)
+
+`check_delta_call` is the one checker of shapes, dtypes and `cu_seqlens` for the public ops
+(`atlas_jax.ops`) and the kernel entries (`chunk_delta_family_gpu`, `chunk_delta_family_tpu`);
+kernel-specific limits (block sizes fitting the shapes) stay with each kernel's config. Every
+message names the op, the argument, the expected layout or shape and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CHUNK_SIZES = (16, 32, 64)
+GPU_HEAD_DIMS = (64, 128, 256)
+INTERPRET_HEAD_DIMS = (16, 32)
+L2NORM_EPS = 1e-6
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+IMPLS = ("recurrent", "chunk", "pallas", "auto")
+
+SCALAR_GATE, CHANNEL_GATE = "[B, T, H]", "[B, T, H, K]"
+
+
+def kernel_head_dims(interpret: bool) -> tuple[int, ...]:
+    """Head dims the kernels take: the GPU ones, plus the small ones in interpret mode."""
+    return tuple(sorted(GPU_HEAD_DIMS + (INTERPRET_HEAD_DIMS if interpret else ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaCall:
+    """Sizes of one validated call. `n_states` is B, or N with `cu_seqlens` (packed sequences);
+    `steps` is delta_product's n_h (None for the other ops)."""
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    n_states: int
+    gate: str            # "none" | "scalar" | "channel"
+    steps: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Scalar arguments
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
+
+
+def check_impl(op, impl):
+    """ValueError unless `impl` is one of IMPLS."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"{op}: argument `impl` must be one of {IMPLS}; got {impl!r}.")
+
+
+def check_chunk_size(op, chunk_size, *, kernel=False) -> int:
+    """A positive int (the XLA chunk form takes any); one of CHUNK_SIZES for the kernels."""
+    if not _is_int(chunk_size) or int(chunk_size) <= 0:
+        raise ValueError(f"{op}: argument `chunk_size` must be a positive int (e.g. 64); got "
+                         f"{chunk_size!r}.")
+    if kernel and int(chunk_size) not in CHUNK_SIZES:
+        raise ValueError(f"{op}: argument `chunk_size` must be one of {CHUNK_SIZES} for the "
+                         f"Pallas kernels; got {chunk_size!r}. Pick one of those, or use the "
+                         f"XLA chunk form (atlas_jax.ops with impl='chunk'), which takes any.")
+    return int(chunk_size)
+
+
+def check_scale(op, scale, *, static=False):
+    """None or a real scalar; with `static`, a finite Python/NumPy number (the kernels bake it in)."""
+    if static:
+        if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating)) \
+                or not math.isfinite(scale):
+            raise TypeError(f"{op}: argument `scale` must be a finite Python float (static); got "
+                            f"{scale!r}. Pass float(scale).")
+        return
+    if scale is None or (isinstance(scale, numbers.Real) and not isinstance(scale, bool)):
+        return
+    if hasattr(scale, "shape") and tuple(scale.shape) == ():
+        return
+    raise ValueError(f"{op}: argument `scale` must be None (1/sqrt(K)) or a real scalar; "
+                     f"got {scale!r}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrays
+
+
+def _float_array(op, name, x):
+    """`x` as an array; TypeError unless its dtype is floating."""
+    if not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{op}: argument `{name}` must have a floating dtype (float32, bfloat16, float16); "
+            f"got {x.dtype}. Cast it first, e.g. `{name}.astype(jnp.float32)`.")
+    return x
+
+
+def _check_rank(op, name, x, layout):
+    rank = len(layout.strip("[]").split(","))
+    if x.ndim != rank:
+        raise ValueError(
+            f"{op}: argument `{name}` must have rank {rank} with layout {layout}; got shape "
+            f"{tuple(x.shape)} (rank {x.ndim}). Inputs are batch-first, time-second: reshape "
+            f"`{name}` to {layout}.")
+
+
+def _check_shape(op, name, x, expected, layout, hint=""):
+    if tuple(x.shape) != tuple(expected):
+        msg = (f"{op}: argument `{name}` must have shape {layout} = {tuple(expected)}; got "
+               f"{tuple(x.shape)}.")
+        raise ValueError(msg + (" " + hint if hint else ""))
+
+
+def _check_gate(op, g, B, T, H, K, ranks):
+    g = _float_array(op, "g", g)
+    if g.ndim not in ranks:
+        if ranks == (3,) and g.ndim == 4:
+            raise ValueError(
+                f"{op}: argument `g` must be a scalar log-decay per head and token with shape "
+                f"{SCALAR_GATE} = {(B, T, H)}; got {tuple(g.shape)}, a per-key-channel gate "
+                f"{CHANNEL_GATE}. For channel-wise decay use atlas_jax.ops.kda.")
+        if ranks == (4,) and g.ndim == 3:
+            raise ValueError(
+                f"{op}: argument `g` must be a per-key-channel log-decay with shape "
+                f"{CHANNEL_GATE} = {(B, T, H, K)}; got {tuple(g.shape)}, a scalar gate "
+                f"{SCALAR_GATE}. For one scalar decay per head use "
+                f"atlas_jax.ops.gated_delta_rule.")
+        layouts = " or ".join({3: SCALAR_GATE, 4: CHANNEL_GATE}[r] for r in ranks)
+        raise ValueError(f"{op}: argument `g` must have layout {layouts} (log-decay per head "
+                         f"and token{', and key channel' if 4 in ranks else ''}); got shape "
+                         f"{tuple(g.shape)}.")
+    if g.ndim == 3:
+        _check_shape(op, "g", g, (B, T, H), SCALAR_GATE, "g is a log-decay per head and token.")
+    else:
+        _check_shape(op, "g", g, (B, T, H, K), CHANNEL_GATE,
+                     "g is a log-decay per head, token and key channel.")
+    return g
+
+
+def _concrete(x):
+    """NumPy value of `x`, or None while it is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def require_concrete_cu_seqlens(op, cu_seqlens, impl=None):
+    """ValueError if `cu_seqlens` is traced: the XLA forms lay packed rows out on the host."""
+    if _concrete(cu_seqlens) is None:
+        where = "here" if impl is None else f"for impl={impl!r}"
+        raise ValueError(f"{op}: argument `cu_seqlens` must be concrete (not traced) {where}; "
+                         f"pass it as a NumPy array, or use impl='pallas', which takes traced "
+                         f"offsets.")
+
+
+def _check_cu_seqlens(op, cu_seqlens, B, T, *, allow_traced):
+    """Returns (cu_seqlens, number of packed sequences)."""
+    if not hasattr(cu_seqlens, "dtype"):
+        cu_seqlens = np.asarray(cu_seqlens)
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise TypeError(f"{op}: argument `cu_seqlens` must be integer offsets [N + 1]; got dtype "
+                        f"{cu_seqlens.dtype}. Pass e.g. np.array([0, len_1, len_1 + len_2], "
+                        f"np.int32).")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{op}: argument `cu_seqlens` must have shape [N + 1] (N >= 1 "
+                         f"sequences); got {tuple(cu_seqlens.shape)}.")
+    if B != 1:
+        raise ValueError(f"{op}: argument `cu_seqlens` packs sequences along T of a batch of "
+                         f"one; got B = {B}. Reshape the inputs to [1, total_T, H, D].")
+    c = _concrete(cu_seqlens)
+    if c is None:
+        if not allow_traced:
+            require_concrete_cu_seqlens(op, cu_seqlens)
+    elif c[0] != 0 or c[-1] != T or np.any(np.diff(c.astype(np.int64)) < 0):
+        raise ValueError(f"{op}: argument `cu_seqlens` must be non-decreasing offsets from 0 to "
+                         f"T = {T}; got {c.tolist()}.")
+    return cu_seqlens, cu_seqlens.shape[0] - 1
+
+
+def check_delta_call(op, q, k, v, beta=None, g=None, initial_state=None, cu_seqlens=None, *,
+                     gate_ranks=(3, 4), gate_required=False, steps=False, kernel=False,
+                     allow_traced_cu_seqlens=False):
+    """Checks one delta-family call; returns (q, k, v, beta, g, initial_state, cu_seqlens, call).
+
+    Layouts: q [B, T, H, K]; k [B, T, H, K] and v [B, T, H, V] (with `steps`, delta_product's
+    k [B, T, H, n_h, K], v [B, T, H, n_h, V], beta [B, T, H, n_h]); beta [B, T, H] or None;
+    g None, scalar [B, T, H] or channel [B, T, H, K] (ranks in `gate_ranks`); initial_state
+    [B, H, K, V] (or [N, H, K, V] with cu_seqlens) or None; cu_seqlens None or int [N + 1]
+    offsets from 0 to T, non-decreasing, packing N sequences along T of a batch of one.
+
+    `kernel`: also the kernels' own limits (q, k, v float32 or bfloat16 sharing one dtype, at
+    least one token). `allow_traced_cu_seqlens`: traced offsets are trusted (the kernels build
+    their layout in-graph); otherwise they must be concrete. Arrays come back as arrays, with
+    their dtypes unchanged.
+    """
+    q, k, v = (_float_array(op, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    _check_rank(op, "q", q, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    n = None
+    if steps:
+        _check_rank(op, "k", k, "[B, T, H, n_h, K]")
+        n = k.shape[3]
+        _check_shape(op, "k", k, (B, T, H, n, K), "[B, T, H, n_h, K]",
+                     "k must share B, T, H and K with q.")
+        _check_rank(op, "v", v, "[B, T, H, n_h, V]")
+        _check_shape(op, "v", v, (B, T, H, n, v.shape[-1]), "[B, T, H, n_h, V]",
+                     "v must share B, T, H and n_h with k.")
+        beta_shape, beta_layout = (B, T, H, n), "[B, T, H, n_h]"
+    else:
+        _check_rank(op, "k", k, "[B, T, H, K]")
+        _check_shape(op, "k", k, (B, T, H, K), "[B, T, H, K]", "k must have q's shape.")
+        _check_rank(op, "v", v, "[B, T, H, V]")
+        _check_shape(op, "v", v, (B, T, H, v.shape[-1]), "[B, T, H, V]",
+                     "v must share B, T and H with q.")
+        beta_shape, beta_layout = (B, T, H), "[B, T, H]"
+    V = v.shape[-1]
+    if kernel:
+        if q.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: argument `q` must be float32 or bfloat16 for the kernels; got "
+                            f"{q.dtype}. Cast q, k, v, or use the XLA forms (impl='chunk').")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"{op}: arguments `q`, `k`, `v` must share one dtype; got {q.dtype}, "
+                            f"{k.dtype}, {v.dtype}. Cast them to one of float32, bfloat16.")
+        if T < 1:
+            raise ValueError(f"{op}: argument `q` must have at least one token (T >= 1) in "
+                             f"[B, T, H, K]; got T = {T}.")
+    if beta is not None:
+        beta = _float_array(op, "beta", beta)
+        _check_shape(op, "beta", beta, beta_shape, beta_layout,
+                     "beta is one write strength per head and token"
+                     + (" and step." if steps else ". Pass None for 1.0."))
+    if g is None:
+        if gate_required:
+            raise ValueError(f"{op}: argument `g` is required (log-decay); for no decay use "
+                             f"atlas_jax.ops.delta_rule.")
+        gate = "none"
+    else:
+        g = _check_gate(op, g, B, T, H, K, tuple(gate_ranks))
+        gate = "scalar" if g.ndim == 3 else "channel"
+    n_states = B
+    if cu_seqlens is not None:
+        cu_seqlens, n_states = _check_cu_seqlens(op, cu_seqlens, B, T,
+                                                 allow_traced=allow_traced_cu_seqlens)
+    if initial_state is not None:
+        initial_state = _float_array(op, "initial_state", initial_state)
+        layout = "[N, H, K, V] (N packed sequences)" if cu_seqlens is not None else "[B, H, K, V]"
+        _check_shape(op, "initial_state", initial_state, (n_states, H, K, V), layout,
+                     "The state is float32 with keys on rows and values on columns.")
+    call = DeltaCall(B=B, T=T, H=H, K=K, V=V, n_states=n_states, gate=gate, steps=n)
+    return q, k, v, beta, g, initial_state, cu_seqlens, call
+
+
+def check_kernel_head_dims(op, K, V, *, interpret):
+    """ValueError unless the GPU kernels take head dims K and V (interpret mode: more)."""
+    dims = kernel_head_dims(interpret)
+    for name, d in (("q", K), ("v", V)):
+        if d not in dims:
+            where = ("in interpret mode" if interpret else
+                     "on GPU (the Triton kernels; other sizes run in interpret mode only)")
+            raise ValueError(f"{op}: argument `{name}` has head dim {d}; supported {where}: "
+                             f"{dims}. Pad the head dim, or use the XLA forms "
+                             f"(atlas_jax.ops with impl='chunk').")
+
+
+def kernel_gap(call: DeltaCall, dtypes, chunk_size, *, delta, interpret) -> str | None:
+    """Why the Pallas kernels cannot take a validated call (None when they can). `dtypes`:
+    those of q, k, v; `interpret`: the kernels would run in interpret mode (CPU)."""
+    if not delta:
+        return "the kernels implement the delta write only (not linear_attention's additive write)"
+    dims = kernel_head_dims(interpret)
+    if call.K not in dims or call.V not in dims:
+        return f"head dims K={call.K}, V={call.V} (supported: {dims})"
+    if int(chunk_size) not in CHUNK_SIZES:
+        return f"chunk_size={chunk_size} (supported: {CHUNK_SIZES})"
+    if dtypes[0] not in KERNEL_DTYPES or len(set(dtypes)) != 1:
+        return (f"dtypes {'/'.join(str(d) for d in dtypes)} of q/k/v (supported: float32 or "
+                f"bfloat16, the same for q, k, v)")
+    return None
