@@ -4,24 +4,25 @@
 Run under Nsight Compute on the GPU machine, from the repository root:
 
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
-        --log-file $OUT/ncu.csv python3 benchmarks/profile_delta_family.py
+        --log-file $OUT/ncu.csv python3 benchmarks/profile_delta_family.py --shape 4,4096,16,128
     python3 benchmarks/profile_delta_family.py --parse $OUT/ncu.csv
 
 Everything is compiled and warmed up first; only one call of each phase (ours fwd, ours fwd+bwd,
 fla fwd, fla fwd+bwd, per op) runs between cudaProfilerStart/Stop, each phase opened by a marker
-kernel (torch.cuda._sleep) so the CSV can be split into phases. Env: SHAPE="4,4096,16,128",
-OPS="gdn,deltanet,kda", MODES="fwd,fwdbwd", OURS="default" (comma-separated TUNE entries of
-gpu_delta_family.py: our block sizes, one phase each).
+kernel (torch.cuda._sleep) so the CSV can be split into phases. Flags: --shape B,T,H,D, --ops,
+--modes, --ours (VARIANTS of tune.py: our block sizes, one phase each). Kernel names map to
+the labels of the table in kernels/delta_family/gpu.py (delta_intra_solve = K1a, ...).
 """
 from __future__ import annotations
 
+import argparse
 import csv
+import functools
 import os
-import sys
 from collections import defaultdict
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+import timing
+import tune
 
 MARKER = "spin"
 
@@ -60,38 +61,28 @@ def parse(path):
             print(f"   {us:9.1f} us  {name}")
 
 
-def main():
+def main(args):
     import jax
     import torch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-    import gpu_delta_family as bench   # noqa: E402  (same inputs and wrappers as the benchmark)
-
-    B, T, H, D = (int(x) for x in os.environ.get("SHAPE", "4,4096,16,128").split(","))
-    ops = os.environ.get("OPS", "gdn,deltanet,kda").split(",")
-    import fla.ops.common.chunk_o as _co
-    _co.TRITON_ABOVE_3_7_1 = True
-    from fla.ops.delta_rule import chunk_delta_rule
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.kda import chunk_kda
-
-    import functools
-    gpu = bench.gpu
-    modes = os.environ.get("MODES", "fwd,fwdbwd").split(",")
-    variants = os.environ.get("OURS", "default").split(",")
+    public_ops = timing.import_tree()
+    from atlas_jax.kernels.delta_family import gpu
+    B, T, H, D = args.shape
+    ops, modes, variants = args.ops, args.modes, args.ours
+    fla = timing.fla_ops()
     phases = []
     for op in ops:
-        gate = bench.GATE_OF[op]
-        q, k, v, beta, g, do = bench.make_inputs(B, T, H, D, D, gate, jax.numpy.bfloat16)
+        gate = timing.GATE_OF[op]
+        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, gate, jax.numpy.bfloat16)
         ours = {}
         for variant in variants:
             # the public op looks the kernel entry point up at trace time: trace (warm up) with
             # this variant's block sizes patched in
             real = gpu.chunk_delta_family_gpu
             gpu.chunk_delta_family_gpu = functools.partial(
-                real, block_sizes=gpu.GpuBlockSizes(**bench.TUNE[variant]))
+                real, block_sizes=gpu.GpuBlockSizes(**tune.VARIANTS[variant]))
             try:
-                fwd, fwdbwd = bench.jax_fns("pallas", gate, D)
+                fwd, fwdbwd = timing.op_fns(public_ops, op, "pallas")
                 # bind this op's inputs now: the phases run after the loop over ops
                 args = (q, k, v, beta, g)
                 calls = {"fwd": lambda fwd=fwd, a=args: fwd(*a),
@@ -106,9 +97,7 @@ def main():
         tg_ = None if g is None else tq(g)
         tdo = torch.from_dlpack(do).clone()
         t = (tq_, tk_, tv_, tg_, tb_)
-        fla_fn = {"gdn": lambda t=t: chunk_gated_delta_rule(t[0], t[1], t[2], t[3], t[4])[0],
-                  "deltanet": lambda t=t: chunk_delta_rule(t[0], t[1], t[2], t[4])[0],
-                  "kda": lambda t=t: chunk_kda(t[0], t[1], t[2], t[3], t[4])[0]}[op]
+        fla_fn = lambda t=t, f=fla[op]: f(t[0], t[1], t[2], t[3], t[3], t[4])   # noqa: E731
         theirs = {"fwd": fla_fn, "fwdbwd": lambda f=fla_fn, do=tdo: f().backward(do)}
         for _ in range(3):
             for calls in ours.values():
@@ -134,14 +123,23 @@ def main():
             torch.cuda.synchronize()
             names.append(f"{op}/fla/{mode}")
     torch.cuda.profiler.stop()
-    out = os.environ.get("OUT", ".")
+    out = args.out or os.environ.get("OUT", ".")
     with open(os.path.join(out, "phases.txt"), "w") as f:
         f.write(",".join(names))
     print("phases: " + ",".join(names), flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--parse":
-        parse(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parse", metavar="NCU_CSV", help="print the phases of an ncu CSV log")
+    ap.add_argument("--shape", type=timing.shape_arg, default=(4, 4096, 16, 128), help="B,T,H,D")
+    ap.add_argument("--ops", nargs="+", default=["gdn", "deltanet", "kda"],
+                    choices=sorted(timing.GATE_OF))
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    ap.add_argument("--ours", nargs="+", default=["default"], choices=sorted(tune.VARIANTS))
+    ap.add_argument("--out", default=None, help="folder for phases.txt (default $OUT or .)")
+    cli = ap.parse_args()
+    if cli.parse:
+        parse(cli.parse)
     else:
-        main()
+        main(cli)

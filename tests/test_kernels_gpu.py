@@ -9,6 +9,7 @@ tests that need a real GPU are marked `gpu`.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -235,7 +236,7 @@ def test_diagonal_inverse_products(case):
     product); with unnormalised Gaussian keys (|m_ij| up to ~8, inverse entries in the hundreds)
     the powers of m cancel and it is within 1e-3: ten times under the bf16 bar of 1e-2. The
     substitution (float32 inputs) stays at ~1e-7 in both."""
-    from atlas_jax.kernels.delta_family import gpu_kernels as gk
+    from atlas_jax.kernels.delta_family import gpu_math as gk
     rng = np.random.default_rng(3)
     n = 16
     if case == "random":
@@ -415,7 +416,11 @@ def test_validation_errors():
 
 def _lower_for_cuda(gate, K, V, dtype, *, chunk=64, varlen=False, normalize=False,
                     block_sizes=None):
-    args, _ = make(11, gate=gate, K=K, V=V, T_=128)
+    """Exports forward + backward for CUDA; returns (number of Triton kernels, the largest
+    tensor of the exported program in elements, the bound on it: one [K, V] state per chunk
+    and head, B * NT * H * K * V)."""
+    T_ = 128
+    args, _ = make(11, gate=gate, K=K, V=V, T_=T_)
     q, k, v, beta, g, _ = args
     q, k, v, beta = (x.astype(dtype) for x in (q, k, v, beta))
     cu = jnp.asarray([0, 50, 128], jnp.int32) if varlen else None
@@ -434,7 +439,22 @@ def _lower_for_cuda(gate, K, V, dtype, *, chunk=64, varlen=False, normalize=Fals
         jax.jit(jax.value_and_grad(loss, argnums=argnums)), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(q, k, v, beta, g, s0)
-    return exp.mlir_module().count("xla.gpu.triton")
+    text = exp.mlir_module()
+    largest = max(int(np.prod([int(d) for d in dims.split("x")]))
+                  for dims in re.findall(r"tensor<((?:\d+x)+)[a-z]", text)
+                  for dims in [dims.rstrip("x")])
+    # Packed sequences (N = 2) each start a fresh chunk: the layout has T // C + N chunks.
+    chunks = T_ // chunk + 2 if varlen else -(-T_ // chunk)
+    return text.count("xla.gpu.triton"), largest, chunks * H * K * V
+
+
+def check_lowering(n_max, gate, K, V, dtype, **kw):
+    """Properties that survive a fusion of kernels: at most `n_max` Triton kernels (today's
+    count: a fusion only lowers it), and no tensor larger than one state per chunk (no kernel
+    reads or writes a per-token [T, K, V] state)."""
+    n, largest, bound = _lower_for_cuda(gate, K, V, dtype, **kw)
+    assert 1 <= n <= n_max, (n, n_max)
+    assert largest <= bound, (largest, bound)
 
 
 @pytest.mark.parametrize("gate,K,dtype", [("none", 128, jnp.bfloat16),
@@ -444,42 +464,37 @@ def _lower_for_cuda(gate, K, V, dtype, *, chunk=64, varlen=False, normalize=Fals
 def test_triton_lowering(gate, K, dtype):
     # K1 (split in K1a + K1b, after K1d + K1p for the channel gate), lean K2, output, K3
     # (K3a + lean K3 for the scalar gate), K4 (+ K4d + K4b for the channel gate)
-    n = _lower_for_cuda(gate, K, K, dtype)
-    assert n == {"none": 6, "scalar": 7, "channel": 10}[gate]
+    check_lowering({"none": 6, "scalar": 7, "channel": 10}[gate], gate, K, K, dtype)
 
 
 @pytest.mark.parametrize("gate", GATES)
 def test_triton_lowering_legacy_layout(gate):
-    n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16, block_sizes=LEGACY)
-    assert n == (6 if gate == "channel" else 4)
+    check_lowering(6 if gate == "channel" else 4, gate, 128, 128, jnp.bfloat16,
+                   block_sizes=LEGACY)
 
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 def test_triton_lowering_split_state_bwd(gate):
-    # K3 becomes K3a (dU_local) + the lean reverse pass: one kernel more
-    n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16,
-                        block_sizes=GpuBlockSizes(split_state_bwd=True, split_intra=False))
-    assert n == (8 if gate == "channel" else 6)
+    # K3 becomes K3a (dU_local) + the lean reverse pass
+    check_lowering(8 if gate == "channel" else 6, gate, 128, 128, jnp.bfloat16,
+                   block_sizes=GpuBlockSizes(split_state_bwd=True, split_intra=False))
 
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 def test_triton_lowering_split_intra(gate):
     # K1 becomes K1a (solve) + K1b (W, U0), after K1d + K1p (M and P) for the channel gate
-    n = _lower_for_cuda(gate, 128, 128, jnp.bfloat16,
-                        block_sizes=GpuBlockSizes(split_intra=True, split_state_bwd=False))
-    assert n == (10 if gate == "channel" else 6)
+    check_lowering(10 if gate == "channel" else 6, gate, 128, 128, jnp.bfloat16,
+                   block_sizes=GpuBlockSizes(split_intra=True, split_state_bwd=False))
 
 
 def test_triton_lowering_fused_pairs_solve():
-    # K1p forms T itself: one kernel fewer than the default channel layout
-    n = _lower_for_cuda("channel", 128, 128, jnp.bfloat16,
-                        block_sizes=GpuBlockSizes(fuse_pairs_solve=True))
-    assert n == 9
+    # K1p forms T itself: no separate solve kernel
+    check_lowering(9, "channel", 128, 128, jnp.bfloat16,
+                   block_sizes=GpuBlockSizes(fuse_pairs_solve=True))
 
 
 def test_triton_lowering_varlen_normalize():
-    assert _lower_for_cuda("scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True,
-                           normalize=True) == 7
+    check_lowering(7, "scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True, normalize=True)
 
 
 @pytest.mark.slow
@@ -487,7 +502,7 @@ def test_triton_lowering_varlen_normalize():
 @pytest.mark.parametrize("K", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_triton_lowering_all(gate, K, dtype):
-    assert _lower_for_cuda(gate, K, K, dtype) >= 4
+    check_lowering(10, gate, K, K, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,4 +533,61 @@ def test_gpu_compiled(gate, dtype, tol):
     argnums, g1 = grads(run, args, w)
     _, g2 = grads(ref, args, w)
     for i, a, b in zip(argnums, g1, g2):
+        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("case", ["varlen_bf16", "K64_V256_bf16", "K256_V64_f32_chunk32",
+                                  "extreme_f32", "near0_f32"])
+def test_gpu_compiled_layouts_and_gates(gate, case):
+    """The GPU checks the benchmark script used to run: packed sequences (one of them empty),
+    unequal head dims, chunk 32, and gates near 0 or <= -5, against the float32 scan."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    if case.endswith(("extreme_f32", "near0_f32")) and gate == "none":
+        pytest.skip("no gate")
+    K, V, chunk, n_states, cu = 128, 128, 64, None, None
+    strength = {"extreme_f32": "extreme", "near0_f32": "near0"}.get(case, "normal")
+    if case == "K64_V256_bf16":
+        K, V = 64, 256
+    elif case == "K256_V64_f32_chunk32":
+        K, V, chunk = 256, 64, 32
+    T_ = 300
+    if case == "varlen_bf16":
+        cu, n_states = np.array([0, 100, 101, 101, T_], np.int32), 4
+    args, w = make(13, gate=gate, K=K, V=V, T_=T_, B_=1, H_=2, strength=strength,
+                   n_states=n_states)
+    dtype, tol = (jnp.bfloat16, 1e-2) if case.endswith("bf16") else (jnp.float32, 1e-5)
+    args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
+
+    def run(*a):
+        return chunk_delta_family_gpu(*a[:5], scale=SCALE, initial_state=a[5], cu_seqlens=cu,
+                                      output_final_state=True, chunk_size=chunk, interpret=False)
+
+    def ref(*a):
+        f32 = [None if x is None else x.astype(jnp.float32) for x in a[:5]]
+        if cu is None:
+            return recurrent_delta_family(*f32, scale=SCALE, initial_state=a[5],
+                                          output_final_state=True)
+        outs, states = [], []
+        for i in range(len(cu) - 1):
+            lo, hi = int(cu[i]), int(cu[i + 1])
+            if lo == hi:
+                states.append(a[5][i])
+                continue
+            o, s = recurrent_delta_family(*[None if x is None else x[:, lo:hi] for x in f32],
+                                          scale=SCALE, initial_state=a[5][i:i + 1],
+                                          output_final_state=True)
+            outs.append(o)
+            states.append(s[0])
+        return jnp.concatenate(outs, axis=1), jnp.stack(states)
+
+    o1, s1 = run(*args)
+    o2, s2 = ref(*args)
+    assert rel(o1, o2) < tol and rel(s1, s2) < tol, (rel(o1, o2), rel(s1, s2))
+    argnums, g1 = grads(run, args, w)
+    _, g2 = grads(ref, args, w)
+    for i, a, b in zip(argnums, g1, g2):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
         assert rel(a, b) < tol, (NAMES[i], rel(a, b))

@@ -1,6 +1,9 @@
 """Pallas kernels for the exact chunked delta family (DeltaNet, Gated DeltaNet, KDA).
 
-GPU (Hopper): `gpu.py`. TPU (Mosaic): `tpu.py`.
+GPU (Hopper, Pallas Triton lowering): `gpu.py` (entry and the table of kernels), `gpu_config.py`,
+`gpu_launch.py`, `gpu_fwd.py`, `gpu_bwd.py`, `gpu_math.py`. TPU (Mosaic): `tpu.py` (entry and
+table), `tpu_kernels.py`, `tpu_math.py`. Shared, Pallas-free: `support.py` (supported sizes, the
+normalisation epsilon and the argument checker of every delta-family call).
 """
 
 # GPU (Pallas, Triton lowering): imported lazily so that importing the package does not pull in

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""How fast are the delta-family ops against fla? Forward and forward+backward times (bf16).
+
+Times gated_delta_rule (gdn), delta_rule (deltanet) and kda through the public ops
+(impl="pallas": the kernels; impl="chunk": the XLA chunk form) and, with --fla, fla's
+chunk_gated_delta_rule / chunk_delta_rule / chunk_kda in the same process on the same inputs
+recipe. Run on the GPU machine from the repository root (fla travels as wheels: see
+benchmarks/README.md):
+
+    python3 benchmarks/bench_ops.py --shapes 4,4096,16,128 1,16384,16,128 --fla \\
+        2>&1 | tee $OUT/bench_ops.log
+    python3 benchmarks/bench_ops.py --memory ours --shapes 1,65536,16,128   # peak memory
+    python3 benchmarks/report.py $OUT/bench_ops.json                         # Markdown table
+
+Timing: ours is the median over --reps repetitions of as many back-to-back jitted calls as fill
+~20 ms, per call; fla's is the faster of triton's do_bench and that same method (both kept in
+the JSON). Correctness on the GPU is `pytest -m gpu tests/test_kernels_gpu.py`, not this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import timing
+
+
+def bench_ours(ops, shape, names, impls, reps, res):
+    import jax
+    import jax.numpy as jnp
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    for op in names:
+        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
+        for impl in impls:
+            if impl == "chunk" and op == "kda" and T * B > 8192:
+                continue   # the XLA KDA form materialises [C, C, K] decays: 60+ ms, not informative
+            fwd, fwdbwd = timing.op_fns(ops, op, impl)
+            label = {"pallas": "pallas", "chunk": "xla"}[impl]
+            for mode, fn, args in (("fwd", fwd, (q, k, v, beta, g)),
+                                   ("fwdbwd", fwdbwd, (q, k, v, beta, g, do))):
+                name = f"{op}/{label}/{mode}"
+                try:
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(*args))
+                    first = time.perf_counter() - t0
+                    res[name] = timing.time_jax(fn, *args, reps=reps)
+                    timing.log(f"[ours] {key} {name:24s} {res[name]:8.3f} ms   (first call "
+                               f"{first:.1f} s)")
+                except Exception as e:  # noqa: BLE001
+                    res[name] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                    timing.log(f"[ours] {key} {name} ERROR {type(e).__name__}: {str(e)[:1500]}")
+
+
+def bench_fla(shape, names, reps, modes, res, results):
+    import torch
+    import triton.testing as tt
+    fla = timing.fla_ops()
+    if fla is None:
+        results["fla_error"] = "fla does not import"
+        return
+    import fla as fla_pkg
+    import triton
+    results["versions"].update(torch=torch.__version__, triton=triton.__version__,
+                               fla=fla_pkg.__version__)
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    q, k, v, g, gk, beta, do = timing.fla_inputs(B, T, H, D)
+    for op in names:
+        f = lambda fn=fla[op]: fn(q, k, v, g, gk, beta)   # noqa: E731
+        for mode in modes:
+            call = f if mode == "fwd" else (lambda f=f: f().backward(do))
+            try:
+                for _ in range(6):
+                    call()
+                torch.cuda.synchronize()
+                dob = tt.do_bench(call, warmup=40, rep=200, return_mode="median")
+                wall = timing.wall_ms(call, lambda out=None: torch.cuda.synchronize(), reps)
+                res[f"{op}/fla_do_bench/{mode}"], res[f"{op}/fla_wall/{mode}"] = dob, wall
+                res[f"{op}/fla/{mode}"] = min(dob, wall)
+                timing.log(f"[fla]  {key} {op}/fla/{mode:7s} {min(dob, wall):8.3f} ms   "
+                           f"(do_bench {dob:.3f}, wall {wall:.3f})")
+            except Exception as e:  # noqa: BLE001
+                res[f"{op}/fla/error"] = repr(e)[:300]
+                timing.log(f"[fla]  {key} {op} ERROR {e!r}"[:1500])
+    del q, k, v, g, gk, beta, do
+    torch.cuda.empty_cache()
+
+
+def peak_memory(ops, shape, names, who, res):
+    """Peak device memory of one fwd+bwd; one `who` per process (the peaks are per process)."""
+    import jax
+    import jax.numpy as jnp
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    for op in names:
+        try:
+            if who == "ours":
+                q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op],
+                                                          jnp.bfloat16)
+                jax.block_until_ready(timing.op_fns(ops, op, "pallas")[1](q, k, v, beta, g, do))
+                stats = jax.devices()[0].memory_stats() or {}
+                peak = stats.get("peak_bytes_in_use", float("nan")) / 1e9
+            else:
+                import torch
+                fla = timing.fla_ops()
+                q, k, v, g, gk, beta, do = timing.fla_inputs(B, T, H, D)
+                if op == "kda":
+                    g = gk
+                del gk          # only the op's own gate counts towards the peak
+                torch.cuda.reset_peak_memory_stats()
+                fla[op](q, k, v, g, g, beta).backward(do)
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() / 1e9
+                del q, k, v, beta, g, do
+                torch.cuda.empty_cache()
+            res[f"{op}/{who}"] = peak
+            timing.log(f"[memory] {key} {op}/{who} fwd+bwd peak {peak:.2f} GB")
+        except Exception as e:  # noqa: BLE001
+            res[f"{op}/{who}"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+            timing.log(f"[memory] {key} {op}/{who} ERROR {type(e).__name__}: {str(e)[:1000]}")
+
+
+def table(results, names, impls):
+    timing.log("\n=== summary (ms, bf16; ratio = fla / ours: > 1 means ours is faster) ===")
+    labels = [{"pallas": "pallas", "chunk": "xla"}[i] for i in impls] + ["fla"]
+    for key, res in results["bench_ms"].items():
+        timing.log(f"-- {key}")
+        for op in names:
+            for mode in ("fwd", "fwdbwd"):
+                fla = res.get(f"{op}/fla/{mode}")
+                row = [f"{op:9s} {mode:7s}"]
+                for label in labels:
+                    val = res.get(f"{op}/{label}/{mode}")
+                    if isinstance(val, float):
+                        ratio = (f" x{fla / val:.2f}" if isinstance(fla, float) and label != "fla"
+                                 else "")
+                        row.append(f"{label}={val:.3f}{ratio}")
+                    elif val is not None:
+                        row.append(f"{label}=ERR")
+                timing.log("  " + "  ".join(row))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", type=timing.shape_arg, default=[(4, 4096, 16, 128)],
+                    help="B,T,H,D (K = V = D)")
+    ap.add_argument("--ops", nargs="+", default=["gdn", "deltanet", "kda"],
+                    choices=sorted(timing.GATE_OF))
+    ap.add_argument("--impls", nargs="+", default=["pallas"], choices=["pallas", "chunk"],
+                    help="ours: the kernels and/or the XLA chunk form")
+    ap.add_argument("--fla", action="store_true", help="also time fla in this process")
+    ap.add_argument("--fla-modes", nargs="+", default=["fwd", "fwdbwd"],
+                    choices=["fwd", "fwdbwd"],
+                    help="fwd alone skips fla's fwd+bwd, whose first call autotunes for minutes")
+    ap.add_argument("--memory", choices=["ours", "fla"],
+                    help="peak memory of one fwd+bwd instead of times (one side per process)")
+    ap.add_argument("--reps", type=int, default=30, help="timed repetitions")
+    ap.add_argument("--out", default=None, help="folder for bench_ops.json (default $OUT)")
+    args = ap.parse_args()
+
+    ops = timing.import_tree()
+    import jax
+    results = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
+               "versions": {"jax": jax.__version__}, "bench_ms": {},
+               "memory_fwd_bwd_peak_GB": {}}
+    timing.log(f"device {results['device']}  jax {jax.__version__}  shapes {args.shapes}")
+    for shape in args.shapes:
+        key = "x".join(map(str, shape))
+        if args.memory:
+            peak_memory(ops, shape, args.ops, args.memory, results["memory_fwd_bwd_peak_GB"].setdefault(key, {}))
+        else:
+            res = results["bench_ms"].setdefault(key, {})
+            bench_ours(ops, shape, args.ops, args.impls, args.reps, res)
+            if args.fla:
+                bench_fla(shape, args.ops, args.reps, args.fla_modes, res, results)
+        timing.save_json(results, args.out, "bench_ops.json")
+    if not args.memory:
+        table(results, args.ops, args.impls)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Is the speed unchanged between two source trees? Times the public ops of each, side by side.
+
+For a refactor or a kernel change: both trees are imported into one process in turn (each
+tree's ops compiled ahead of time before the next tree is imported), then timed in interleaved
+rounds (every round times every tree, op and mode once), so that clock drift and neighbours'
+load hit both alike. Reports each tree's median over rounds and the ratio to the first tree.
+
+    git archive <before> atlas_jax kernels | tar -x -C build/before      # here, then carry it
+    git archive HEAD atlas_jax kernels | tar -x -C build/after
+    python3 benchmarks/compare_trees.py --tree before=build/before --tree after=build/after \\
+        --shape 4,4096,16,128 --ops gdn deltanet kda --rounds 5 2>&1 | tee $OUT/compare.log
+
+JSON of every round goes to --out (default $OUT) as compare_trees.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import timing
+
+
+def _forget_atlas_jax(root):
+    """Drops the imported atlas_jax modules and `root` from sys.path, so that the next tree's
+    import starts afresh; compiled executables of the previous tree keep working."""
+    for name in [n for n in sys.modules if n == "atlas_jax" or n.startswith("atlas_jax.")]:
+        del sys.modules[name]
+    while str(root) in sys.path:
+        sys.path.remove(str(root))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
+                    help="a source tree (holding atlas_jax/ and kernels/); the first is the "
+                         "baseline; give two or more")
+    ap.add_argument("--shape", type=timing.shape_arg, default=(4, 4096, 16, 128), help="B,T,H,D")
+    ap.add_argument("--ops", nargs="+", default=["gdn", "deltanet", "kda"],
+                    choices=sorted(timing.GATE_OF))
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    ap.add_argument("--impl", default="pallas", choices=["pallas", "chunk", "auto"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per round")
+    ap.add_argument("--out", default=None, help="folder for compare_trees.json (default $OUT)")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    trees = [t.split("=", 1) for t in args.tree]
+    B, T, H, D = args.shape
+    inputs = {op: timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
+              for op in args.ops}
+    compiled = {}
+    for name, root in trees:
+        t0 = time.perf_counter()
+        ops = timing.import_tree(root)
+        for op in args.ops:
+            fwd, fwdbwd = timing.op_fns(ops, op, args.impl)
+            q, k, v, beta, g, do = inputs[op]
+            for mode, fn, a in (("fwd", fwd, (q, k, v, beta, g)),
+                                ("fwdbwd", fwdbwd, (q, k, v, beta, g, do))):
+                if mode in args.modes:
+                    exe = fn.lower(*a).compile()
+                    jax.block_until_ready(exe(*a))
+                    compiled[(name, op, mode)] = (exe, a)
+        timing.log(f"[compile] {name} ({root}): {time.perf_counter() - t0:.1f} s")
+        _forget_atlas_jax(root)
+
+    device = jax.devices()[0]
+    results = {"device": str(device), "device_kind": device.device_kind, "jax": jax.__version__,
+               "shape": args.shape, "impl": args.impl, "rounds": {}}
+    rounds = results["rounds"]
+    for r in range(args.rounds):
+        for op in args.ops:
+            for mode in args.modes:
+                for name, _ in trees:
+                    exe, a = compiled[(name, op, mode)]
+                    ms = timing.time_jax(exe, *a, reps=args.reps)
+                    rounds.setdefault(f"{op}/{mode}/{name}", []).append(ms)
+        timing.log(f"[round {r}] " + "  ".join(f"{k}={v[-1]:.3f}" for k, v in rounds.items()))
+        timing.save_json(results, args.out, "compare_trees.json")
+
+    base = trees[0][0]
+    timing.log(f"\n=== {device.device_kind}, B{B} T{T} H{H} D{D} bf16, impl={args.impl}: median "
+               f"over {args.rounds} interleaved rounds (ms); ratio = tree / {base} ===")
+    summary = results["median_ms"] = {}
+    for op in args.ops:
+        for mode in args.modes:
+            row, ref = [f"{op:9s} {mode:7s}"], statistics.median(rounds[f"{op}/{mode}/{base}"])
+            for name, _ in trees:
+                med = statistics.median(rounds[f"{op}/{mode}/{name}"])
+                summary[f"{op}/{mode}/{name}"] = med
+                row.append(f"{name}={med:.3f}" + ("" if name == base else f" x{med / ref:.3f}"))
+            timing.log("  " + "  ".join(row))
+    timing.save_json(results, args.out, "compare_trees.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Tiling and launch parameters of the GPU (Pallas, Triton lowering) delta-family kernels.
+
+`GpuBlockSizes` holds every knob of the kernels in `gpu_fwd.py` / `gpu_bwd.py` (labels: the table
+in `gpu.py`); `resolve` fills the unset ones from the shapes, `check` validates the result
+against them. Why each default: benchmarks/results/gpu_block_sizes_notes.md (timings on H100 /
+H200 of each choice); sweep candidates with benchmarks/tune.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.experimental.pallas import triton as plgpu
+
+# The wide K1 layout needs the Triton barrier primitive (present in jax 0.10 and 0.11).
+HAS_BARRIER = hasattr(plgpu, "debug_barrier")
+
+
+def _given(value, default):
+    """The field if set (0 included, so that validation sees it), else the heuristic's value."""
+    return default if value is None else value
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSizes:
+    """Tiling and launch parameters of the GPU kernels (None: a heuristic from the shapes).
+
+    block_v:        V block of the sequential state passes K2, K3 (V / block_v programs per
+                    sequence and head).
+    block_v_bwd:    V block of the loop inside K4 (register use).
+    num_warps_intra / num_warps_state / num_warps_bwd: warps of K1 (K1b when split), of K2 and
+                    K3, and of K4.
+    num_stages_intra / num_stages_state / num_stages_bwd: pipeline stages of the same kernels.
+    inter_dtype:    storage of W, U0 between kernels: "input" (bf16 for bf16 inputs) or "float32".
+    state_dtype:    storage of the per-chunk states h, dh: "input" (as fla stores h) or "float32".
+    fuse_output:    True: K2 also computes O (no K2o); False (default): lean K2, then K2o.
+    block_v_out / num_warps_out: V block and warps of K2o and K3a.
+    wide_intra:     K1 forms A and W, U0 as whole-chunk [C, C] dots through the T buffer (needs
+                    the Triton barrier); False: 16-row sub-block dots.
+    merge_dots:     bf16 dots per 16x16 product in K1's blocked-inverse merges: 1 (tf32),
+                    3 (hi/lo split, default) or 6 (float32-exact; always for float32 inputs).
+    block_k_kkt:    K1a, no / scalar gate: K columns per piece of A = K K^T formed in registers
+                    (a power of two >= 16); 0: the wide or 16-row layout.
+    num_stages_solve: pipeline stages of that loop.
+    diag_inverse:   16x16 diagonal inverses for bf16: "products" (Neumann series on tensor cores,
+                    default) or "substitution" (always for float32 inputs).
+    split_state_bwd: K3a computes dU_local = P^T dO in parallel and K3 runs lean (default for
+                    the scalar gate); False: one reverse pass with P^T dO inside.
+    split_intra:    K1 as K1a (solve, few warps) + K1b (W, U0; + K1d, K1p for KDA); default True.
+    num_warps_solve: warps of K1a.
+    num_warps_diag / diag_heads: warps and heads per program of KDA's K1d and K4d (diag_heads a
+                    power of two; programs take the largest power of two dividing H up to it).
+    block_k_pairs / block_k_pairs_bwd: K columns per piece of KDA's K1p / K4b (power of two
+                    >= 16), K1p's loop over num_stages_pairs stages.
+    num_warps_pairs / num_warps_pairs_bwd: warps of K1p / K4b.
+    fuse_pairs_solve: KDA: K1p also forms T in registers (no separate K1a); default False.
+    block_k_out / num_stages_out: KDA: K columns per piece of K2o's loop over K, and its stages.
+    block_wu:       no / scalar gate: columns per piece of K1b's W = T X, U0 = T Y.
+    block_wu_channel: KDA: the same for K1b (gate operands, W, U0).
+    """
+    block_v: int | None = None
+    block_v_bwd: int | None = None
+    num_warps_intra: int | None = None
+    num_warps_state: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_intra: int | None = None
+    num_stages_state: int | None = None
+    num_stages_bwd: int = 1
+    inter_dtype: str = "input"
+    state_dtype: str = "input"
+    fuse_output: bool | None = None
+    block_v_out: int | None = None
+    num_warps_out: int | None = None
+    wide_intra: bool | None = None
+    merge_dots: int | None = None
+    block_k_kkt: int | None = None
+    num_stages_solve: int | None = None
+    diag_inverse: str | None = None
+    split_state_bwd: bool | None = None
+    split_intra: bool | None = None
+    num_warps_solve: int | None = None
+    num_warps_diag: int | None = None
+    diag_heads: int | None = None
+    block_k_pairs: int | None = None
+    block_k_pairs_bwd: int | None = None
+    num_stages_pairs: int | None = None
+    num_warps_pairs: int | None = None
+    num_warps_pairs_bwd: int | None = None
+    fuse_pairs_solve: bool | None = None
+    block_k_out: int | None = None
+    num_stages_out: int | None = None
+    block_wu: int | None = None
+    block_wu_channel: int | None = None
+
+    def resolve(self, K, V, programs=None, gate=None, low=True):
+        """Fills the None fields; `programs` = sequences x heads of the sequential passes.
+
+        Warps from ptxas register/spill reports (sm_90, bf16, K = V = 128) and timings; stages
+        from the shared memory each pass needs. The numbers behind every choice:
+        benchmarks/results/gpu_block_sizes_notes.md.
+        """
+        bv = self.block_v
+        if bv is None:
+            # One program per (sequence, head, V block) runs the sequential chunk loop: aim at
+            # >= 128 of them (one per SM on H100/H200) without V blocks below 16.
+            bv = min(V, 64)
+            while programs is not None and bv > 16 and programs * (V // bv) < 128:
+                bv //= 2
+        bvb = _given(self.block_v_bwd, min(V, 32 if K >= 256 else 64))
+        big = max(K, V) >= 256
+        split_intra = True if self.split_intra is None else self.split_intra
+        if low and K <= 128:
+            # Three stages fit the state passes' shared memory in bf16 at K <= 128, except
+            # KDA's five [C, K] operands per chunk at V blocks wider than 16: two.
+            stages = 2 if gate == "channel" and bv > 16 else 3
+        else:
+            stages = 1
+        kkt = _given(self.block_k_kkt, 64 if low and split_intra and gate != "channel" else 0)
+        return dataclasses.replace(
+            self, block_v=bv, block_v_bwd=bvb,
+            num_warps_intra=_given(self.num_warps_intra, 8 if big else 4),
+            num_warps_state=_given(self.num_warps_state, 8 if K >= 256 else 4),
+            num_warps_bwd=_given(self.num_warps_bwd, 4 if gate == "none" else 8),
+            num_stages_state=_given(self.num_stages_state, stages),
+            fuse_output=False if self.fuse_output is None else self.fuse_output,
+            block_v_out=_given(self.block_v_out, min(V, 128)),
+            num_warps_out=_given(self.num_warps_out, 8 if big else 4),
+            # Wide for the scalar or no gate at K <= 128 when K1 is split or the inputs are
+            # float32 (more accurate in float32, faster split); 16-row otherwise.
+            wide_intra=((HAS_BARRIER and gate != "channel" and K <= 128
+                         and (split_intra or not low))
+                        if self.wide_intra is None else self.wide_intra),
+            merge_dots=_given(self.merge_dots, 3),
+            # bf16, split K1, no / scalar gate: A in registers over 64-column pieces on two
+            # stages; float32 keeps the wide A (the accuracy the float32 GPU checks measured).
+            block_k_kkt=kkt,
+            num_stages_solve=_given(self.num_stages_solve, 2 if kkt else 1),
+            diag_inverse=_given(self.diag_inverse, "products"),
+            split_state_bwd=(gate == "scalar" if self.split_state_bwd is None
+                             else self.split_state_bwd),
+            split_intra=split_intra,
+            num_warps_solve=_given(self.num_warps_solve, 1),
+            num_warps_diag=_given(self.num_warps_diag, 1),
+            diag_heads=_given(self.diag_heads, min(4, max(1, 256 // K))),
+            block_k_pairs=_given(self.block_k_pairs, 64),
+            block_k_pairs_bwd=_given(self.block_k_pairs_bwd, 64),
+            num_warps_pairs=_given(self.num_warps_pairs, 1),
+            num_warps_pairs_bwd=_given(self.num_warps_pairs_bwd, 4),
+            fuse_pairs_solve=bool(self.fuse_pairs_solve),
+            block_k_out=_given(self.block_k_out, 64),
+            num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1),
+            block_wu=_given(self.block_wu, 64),
+            num_stages_pairs=_given(self.num_stages_pairs, 2),
+            block_wu_channel=_given(self.block_wu_channel, 64),
+            num_stages_intra=_given(self.num_stages_intra,
+                                    3 if gate == "channel" and split_intra else 2))
+
+    def check(self, op, V, *, interpret):
+        """ValueError unless every (resolved) field is valid and fits the value head dim V."""
+        for name, b in (("block_v", self.block_v), ("block_v_bwd", self.block_v_bwd),
+                        ("block_v_out", self.block_v_out)):
+            if not _is_int(b) or b < 16 or b & (b - 1) or V % b:
+                raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two >= 16 "
+                                 f"dividing V = {V}; got {b!r}.")
+        for name in ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
+                     "num_warps_out", "num_warps_diag", "num_warps_pairs", "num_warps_pairs_bwd"):
+            w = getattr(self, name)
+            if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
+                raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two from "
+                                 f"1 to 32 (warps per program); got {w!r}.")
+        for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out", "block_wu",
+                     "block_wu_channel"):
+            b = getattr(self, name)
+            if not _is_int(b) or b < 16 or b & (b - 1):
+                raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two "
+                                 f">= 16 (K columns per piece); got {b!r}.")
+        d = self.diag_heads
+        if not _is_int(d) or d < 1 or d & (d - 1):
+            raise ValueError(f"{op}: argument `block_sizes.diag_heads` must be a power of two >= 1 "
+                             f"(heads per diagonal-block program); got {d!r}.")
+        for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd", "num_stages_out",
+                     "num_stages_pairs", "num_stages_solve"):
+            n = getattr(self, name)
+            if not _is_int(n) or n < 1:
+                raise ValueError(f"{op}: argument `block_sizes.{name}` must be a positive integer "
+                                 f"(pipeline stages); got {n!r}.")
+        if self.diag_inverse not in ("products", "substitution"):
+            raise ValueError(f"{op}: argument `block_sizes.diag_inverse` must be 'products' or "
+                             f"'substitution'; got {self.diag_inverse!r}.")
+        if self.merge_dots not in (1, 3, 6):
+            raise ValueError(f"{op}: argument `block_sizes.merge_dots` must be 1 (tf32), 3 or 6; "
+                             f"got {self.merge_dots!r}.")
+        b = self.block_k_kkt
+        if not _is_int(b) or (b != 0 and (b < 16 or b & (b - 1))):
+            raise ValueError(f"{op}: argument `block_sizes.block_k_kkt` must be 0 (off) or a power "
+                             f"of two >= 16 (K columns per piece); got {b!r}.")
+        if self.wide_intra and not HAS_BARRIER and not interpret:
+            raise ValueError(f"{op}: `block_sizes.wide_intra` needs "
+                             f"jax.experimental.pallas.triton.debug_barrier (missing here).")
+        for name in ("inter_dtype", "state_dtype"):
+            if getattr(self, name) not in ("float32", "input"):
+                raise ValueError(f"{op}: argument `block_sizes.{name}` must be 'float32' or "
+                                 f"'input'; got {getattr(self, name)!r}.")
