@@ -1,0 +1,402 @@
+"""The layers of the language models: the papers' memory layer, softmax attention, short
+convolution, SwiGLU MLP and RoPE, as Flax NNX modules (``*, rngs, dtype, param_dtype``).
+
+Every sequence-mixing layer offers three calls with the same parameters:
+
+  ``layer(x, segment_ids=None, positions=None)``  training / scoring over [B, T, width]
+  ``layer.prefill(x, max_len)``                    the same output plus the cache decoding continues from
+  ``layer.decode(x, cache, pos)``                  one token [B, 1, width] at absolute position ``pos``
+
+The memory layer (ATLAS §5 / MIRAS / Titans backbone, fla's GatedDeltaNet layer): linear q/k/v
+projections, a causal depthwise short convolution (kernel 4, SiLU) on each, L2-normalised q and k,
+the preset's feature map φ with its learnable coefficients, per-token gates computed from the input
+(β step size, α retention as log-decay g, ν momentum decay, γ Omega-window gate, δ objective knob;
+the channel-wise decay through a low-rank projection), multi-head, a per-head RMSNorm of the output
+with a SiLU output gate, and a learnable θ_0 for deep memories. The recurrence itself is the core's
+(``MemorySpec.__call__`` or the preset's closed form), called from ``run_memory`` only.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from atlas_jax.memory import LinearMemory
+from atlas_jax.presets import ClosedForm
+from atlas_jax.spec import MemorySpec
+
+__all__ = ["DTYPES", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory",
+           "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# The lead is moving MemorySpec from form="recurrent"|"chunked" to impl=...; follow whichever it has.
+_CORE_TAKES_IMPL = "impl" in inspect.signature(MemorySpec.__call__).parameters
+
+
+def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None,
+               output_final_state: bool = False, feature_params=None, scale: float = 1.0):
+    """The one call into the core: (o [B, T, H, V], final state or None)."""
+    if isinstance(spec, ClosedForm):
+        extra = {"beta": knobs["beta"]} if "beta" in knobs else {}
+        return spec(q, k, v, scale=scale, **extra), None
+    if _CORE_TAKES_IMPL:
+        mode = {"impl": impl}
+    else:
+        mode = {"form": "recurrent" if impl == "recurrent" else "chunked"}
+    return spec(q, k, v, **knobs, **mode, chunk_size=chunk_size, initial_state=initial_state,
+                output_final_state=output_final_state, feature_params=feature_params, scale=scale)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _inverse_softplus(y):
+    return y + math.log(-math.expm1(-y))
+
+
+# ---- packed documents ---------------------------------------------------------------------------
+def document_positions(segment_ids):
+    """(document index within the row, position within the document), both [B, T] int32.
+    A document is a maximal run of equal segment ids."""
+    batch, time = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    doc = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1
+    t = jnp.broadcast_to(jnp.arange(time, dtype=jnp.int32), (batch, time))
+    start_of_doc = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+    return doc, t - start_of_doc
+
+
+def to_document_rows(x, doc, pos, max_documents: int):
+    """[B, T, ...] -> [B·M, T, ...]: each document moved to the start of its own row (zeros after it),
+    so a recurrence run over the rows starts every document from θ_0 — exactly, for any preset."""
+    batch, time = doc.shape
+    rows = jnp.zeros((batch, max_documents, time) + x.shape[2:], x.dtype)
+    b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
+    rows = rows.at[b, doc, pos].set(x, mode="drop")
+    return rows.reshape((batch * max_documents, time) + x.shape[2:])
+
+
+def from_document_rows(y, doc, pos, max_documents: int):
+    """Inverse of ``to_document_rows``; a row with more than M documents becomes NaN (loud, not wrong)."""
+    batch, time = doc.shape
+    y = y.reshape((batch, max_documents) + y.shape[1:])
+    b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
+    out = y[b, jnp.minimum(doc, max_documents - 1), pos]
+    overflow = (doc >= max_documents).reshape(doc.shape + (1,) * (out.ndim - 2))
+    return jnp.where(overflow, jnp.nan, out)
+
+
+# ---- small pieces -------------------------------------------------------------------------------
+class SwiGLU(nnx.Module):
+    def __init__(self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate, self.up, self.down = linear(width, hidden), linear(width, hidden), linear(hidden, width)
+
+    def __call__(self, x, **_):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+    def prefill(self, x, max_len):
+        return self(x), {}
+
+    def decode(self, x, cache, pos):
+        return self(x), cache
+
+
+class ShortConv(nnx.Module):
+    """Causal depthwise convolution over time (kernel ``size``) followed by SiLU; weight index
+    size−1 multiplies the current token. Restarts at document boundaries when given segment ids."""
+
+    def __init__(self, channels: int, size: int, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        bound = 1.0 / math.sqrt(size)
+        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (size, channels), param_dtype, -bound, bound))
+        self.size, self.dtype = size, dtype
+
+    def __call__(self, x, segment_ids=None):
+        time = x.shape[1]
+        w = self.kernel[...].astype(self.dtype)
+        out = jnp.zeros(x.shape, jnp.float32)
+        for lag in range(self.size):
+            shifted = jnp.pad(x, ((0, 0), (lag, 0), (0, 0)))[:, :time]
+            if segment_ids is not None and lag:
+                prev = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)[:, :time]
+                shifted = jnp.where((prev == segment_ids)[..., None], shifted, 0)
+            out = out + (shifted * w[self.size - 1 - lag]).astype(jnp.float32)
+        return jax.nn.silu(out).astype(self.dtype)
+
+    def history(self, x):
+        """The last size−1 inputs [B, size−1, C] (zeros before the sequence start)."""
+        padded = jnp.pad(x, ((0, 0), (self.size - 1, 0), (0, 0)))
+        return padded[:, padded.shape[1] - (self.size - 1):]
+
+    def step(self, x, history):
+        """One token x [B, 1, C] after ``history`` -> (output [B, 1, C], new history)."""
+        window = jnp.concatenate([history.astype(x.dtype), x], axis=1)       # [B, size, C]
+        w = self.kernel[...].astype(self.dtype)
+        out = jnp.einsum("BSC,SC->BC", window.astype(jnp.float32), w.astype(jnp.float32))[:, None]
+        return jax.nn.silu(out).astype(self.dtype), window[:, 1:]
+
+
+def apply_rope(x, positions, theta: float):
+    """Rotary embedding (half-split pairs) of x [B, T, H, D] at integer positions [B, T]."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None, None] * freq                # [B, T, 1, half]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:2 * half]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if x.shape[-1] % 2:
+        rotated.append(xf[..., 2 * half:])
+    return jnp.concatenate(rotated, axis=-1).astype(x.dtype)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+class Attention(nnx.Module):
+    """Causal softmax attention with RoPE, full or sliding-window (``window`` tokens incl. the
+    current one), through ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU when no
+    explicit mask is needed). Decoding keeps a KV cache: ``max_len`` slots, or a ring buffer of
+    ``window`` slots for a sliding window."""
+
+    def __init__(self, width: int, heads: int, *, window: int | None, rope_theta: float, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj, self.k_proj, self.v_proj = linear(width, width), linear(width, width), linear(width, width)
+        self.o_proj = linear(width, width)
+        self.heads, self.head_dim, self.window, self.rope_theta, self.dtype = heads, width // heads, window, rope_theta, dtype
+
+    def _qkv(self, x, positions):
+        split = lambda y: y.reshape(y.shape[:2] + (self.heads, self.head_dim))
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        return apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta), v
+
+    def _out(self, o):
+        return self.o_proj(o.reshape(o.shape[:2] + (-1,)).astype(self.dtype))
+
+    def __call__(self, x, segment_ids=None, positions=None):
+        batch, time = x.shape[:2]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(time), (batch, time))
+        q, k, v = self._qkv(x, positions)
+        if segment_ids is None:
+            window = None if self.window is None else (self.window - 1, 0)
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+        else:
+            t = jnp.arange(time)
+            mask = (t[:, None] >= t[None, :])[None]
+            if self.window is not None:
+                mask &= (t[:, None] - t[None, :] < self.window)[None]
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            o = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+        return self._out(o)
+
+    def prefill(self, x, max_len: int):
+        batch, time = x.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(time), (batch, time))
+        q, k, v = self._qkv(x, positions)
+        window = None if self.window is None else (self.window - 1, 0)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+        slots = max_len if self.window is None else self.window
+        keep = min(time, slots)
+        kept = jnp.arange(time - keep, time)                  # the newest tokens that fit
+        index = kept % slots
+        cache = {"k": jnp.zeros((batch, slots) + k.shape[2:], k.dtype).at[:, index].set(k[:, kept]),
+                 "v": jnp.zeros((batch, slots) + v.shape[2:], v.dtype).at[:, index].set(v[:, kept]),
+                 "pos": jnp.full((slots,), -1, jnp.int32).at[index].set(kept.astype(jnp.int32))}
+        return self._out(o), cache
+
+    def decode(self, x, cache, pos):
+        batch = x.shape[0]
+        q, k, v = self._qkv(x, jnp.full((batch, 1), pos))
+        slots = cache["pos"].shape[0]
+        slot = pos % slots
+        keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), slot, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), slot, axis=1)
+        key_pos = cache["pos"].at[slot].set(pos)
+        valid = (key_pos >= 0) & (key_pos <= pos)
+        if self.window is not None:
+            valid &= key_pos > pos - self.window
+        o = jax.nn.dot_product_attention(q, keys, values, mask=valid[None, None, None, :])
+        return self._out(o), {"k": keys, "v": values, "pos": key_pos}
+
+
+# ---- the memory layer ---------------------------------------------------------------------------
+def _uses_beta(spec) -> bool:
+    from atlas_jax.objectives import Dot
+    if isinstance(spec, ClosedForm):
+        return spec.name == "dot"
+    return spec.opt_kind != "least_squares" and not isinstance(spec.objective, Dot)
+
+
+class MemoryLayer(nnx.Module):
+    """The papers' memory layer around one preset (a MemorySpec, or a ClosedForm for DeepTransformer,
+    SWDT and Dot). ``impl``: auto | pallas | chunk | recurrent (the core's forms; the exact delta
+    family runs through atlas_jax.ops and so the Pallas kernels on GPU/TPU)."""
+
+    def __init__(self, spec, *, width: int, heads: int, impl: str = "auto", chunk_size: int = 64,
+                 conv_size: int = 4, gate_rank: int = 16, memory_init: str = "shared", max_documents: int = 8,
+                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.spec, self.impl, self.chunk_size, self.max_documents = spec, impl, chunk_size, max_documents
+        self.heads, self.head_dim, self.dtype = heads, width // heads, dtype
+        closed = isinstance(spec, ClosedForm)
+        self.steps = 1 if closed else spec.steps
+        d, n = self.head_dim, self.steps
+        linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj, self.k_proj, self.v_proj = linear(width, heads * d), linear(width, heads * n * d), linear(width, heads * n * d)
+        self.conv = ShortConv(heads * d * (1 + 2 * n), conv_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype) if conv_size else None
+        self.out_norm = nnx.RMSNorm(d, epsilon=1e-6, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+        self.out_gate, self.o_proj = linear(width, heads * d), linear(heads * d, width)
+        # Deep memories read M(φ(q)) with the keys' scale; a linear read only rescales the output.
+        linear_memory = closed or isinstance(spec.memory, LinearMemory)
+        self.scale = d ** -0.5 if linear_memory else 1.0
+
+        self.beta_proj = linear(width, heads * n, bias=True) if _uses_beta(spec) else None
+        decay, a_proj, g_down, g_up = None, None, None, None
+        if not closed and (spec.retention.needs_gate or spec.opt_kind == "least_squares"):
+            decay = "channel" if spec.retention.decay == "channel" else "scalar"
+            lanes = spec.feature_dim(d) if decay == "channel" else 1
+            key_a, key_dt = rngs.params(), rngs.params()
+            # Mamba2 / GDN parametrisation: g = −exp(A_log)·softplus(a(x) + dt_bias), A ~ U(1, 16).
+            self.A_log = nnx.Param(jnp.log(jax.random.uniform(key_a, (heads,), jnp.float32, 1.0, 16.0)))
+            dt = jnp.exp(jax.random.uniform(key_dt, (heads * lanes,), jnp.float32, math.log(1e-3), math.log(1e-1)))
+            self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
+            if decay == "channel":
+                g_down, g_up = linear(width, gate_rank), linear(gate_rank, heads * lanes)
+            else:
+                a_proj = linear(width, heads)
+        self.decay, self.a_proj, self.g_down, self.g_up = decay, a_proj, g_down, g_up
+        momentum = not closed and spec.opt_kind in ("momentum", "muon")
+        self.nu_proj = self._gate_linear(width, heads, 2.2, rngs, dtype, param_dtype) if momentum else None
+        window = not closed and spec.window > 1
+        self.gamma_proj = self._gate_linear(width, heads, 3.0, rngs, dtype, param_dtype) if window else None
+        uses_delta = not closed and spec.objective.uses_delta
+        self.delta_proj = self._gate_linear(width, heads, _inverse_softplus(1.0), rngs, dtype, param_dtype) if uses_delta else None
+
+        coeffs = None if closed else spec.feature_map.init_params()
+        self.feature_coeffs = nnx.Param(coeffs["coeffs"].astype(param_dtype)) if coeffs else None
+        self.theta_keys = ()
+        if not linear_memory:
+            self._init_theta0(rngs.params(), memory_init, param_dtype)
+
+    @staticmethod
+    def _gate_linear(width, heads, bias, rngs, dtype, param_dtype):
+        return nnx.Linear(width, heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                          bias_init=nnx.initializers.constant(bias))
+
+    def _init_theta0(self, key, memory_init, param_dtype):
+        """θ_0 (the retention accumulator when retention has a map): per head [H, ...], one shared
+        by all heads, or fixed (drawn once, not trained)."""
+        spec, d = self.spec, self.head_dim
+        d_in = spec.feature_dim(d)
+        if memory_init == "per_head":
+            raw = jax.vmap(lambda kk: spec.memory.init(kk, d_in, d))(jax.random.split(key, self.heads))
+        else:
+            raw = spec.memory.init(key, d_in, d)
+        kind = nnx.Param if memory_init != "fixed" else nnx.Variable
+        self.theta_keys = tuple(sorted(raw))
+        self.theta_per_head = memory_init == "per_head"
+        for name in self.theta_keys:
+            setattr(self, f"theta0_{name}", kind(raw[name].astype(param_dtype)))
+
+    def theta0(self):
+        """θ_0 as a params dict with leaves [H, ...] or shared [...] (None: the core's zero state)."""
+        if not self.theta_keys:
+            return None
+        raw = {name: getattr(self, f"theta0_{name}")[...].astype(jnp.float32) for name in self.theta_keys}
+        if self.spec.retention.has_map:
+            raw = jax.vmap(self.spec.retention.map)(raw) if self.theta_per_head else self.spec.retention.map(raw)
+        return raw
+
+    # -- the input-dependent pieces --------------------------------------------------------------
+    def _projections(self, x):
+        return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
+    def _split(self, qkv, x):
+        batch, time = x.shape[:2]
+        h, d, n = self.heads, self.head_dim, self.steps
+        q, k, v = jnp.split(qkv, [h * d, h * d + h * n * d], axis=-1)
+        q = l2_normalize(q.reshape(batch, time, h, d))
+        shape = (batch, time, h, n, d) if n > 1 else (batch, time, h, d)
+        k, v = l2_normalize(k.reshape(shape)), v.reshape(shape)
+        return q, k, v, self._knobs(x)
+
+    def _knobs(self, x):
+        batch, time = x.shape[:2]
+        h, f32 = self.heads, lambda y: y.astype(jnp.float32)
+        knobs = {}
+        if self.beta_proj is not None:
+            beta = jax.nn.sigmoid(f32(self.beta_proj(x))).reshape(batch, time, h, self.steps)
+            knobs["beta"] = beta if self.steps > 1 else beta[..., 0]
+        if self.decay is not None:
+            a = f32(self.a_proj(x)) if self.decay == "scalar" else f32(self.g_up(self.g_down(x)))
+            a = (a + self.dt_bias[...].astype(jnp.float32)).reshape(batch, time, h, -1)
+            g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(a)
+            knobs["g"] = g if self.decay == "channel" else g[..., 0]
+        if self.nu_proj is not None:
+            knobs["nu"] = jax.nn.sigmoid(f32(self.nu_proj(x)))
+        if self.gamma_proj is not None:
+            knobs["gamma"] = jax.nn.sigmoid(f32(self.gamma_proj(x)))
+        if self.delta_proj is not None:
+            knobs["delta"] = jax.nn.softplus(f32(self.delta_proj(x)))
+        return knobs
+
+    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False):
+        feature_params = None if self.feature_coeffs is None else {"coeffs": self.feature_coeffs[...].astype(jnp.float32)}
+        if initial_state is None:
+            initial_state = self.theta0()
+        return run_memory(self.spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
+                          initial_state=initial_state, output_final_state=output_final_state,
+                          feature_params=feature_params, scale=self.scale)
+
+    def _out(self, o, x):
+        o = self.out_norm(o.astype(jnp.float32)) * jax.nn.silu(self.out_gate(x).astype(jnp.float32)).reshape(o.shape)
+        return self.o_proj(o.reshape(o.shape[:2] + (-1,)).astype(self.dtype))
+
+    # -- the three calls -------------------------------------------------------------------------
+    def __call__(self, x, segment_ids=None, positions=None):
+        qkv = self._projections(x)
+        if self.conv is not None:
+            qkv = self.conv(qkv, segment_ids)
+        q, k, v, knobs = self._split(qkv, x)
+        if segment_ids is None:
+            o, _ = self._run(q, k, v, knobs, impl=self.impl)
+        else:
+            doc, pos = document_positions(segment_ids)
+            rows = lambda y: to_document_rows(y, doc, pos, self.max_documents)
+            o, _ = self._run(rows(q), rows(k), rows(v), jax.tree.map(rows, knobs), impl=self.impl)
+            o = from_document_rows(o, doc, pos, self.max_documents)
+        return self._out(o, x)
+
+    @property
+    def can_decode(self) -> bool:
+        return not isinstance(self.spec, ClosedForm)
+
+    def prefill(self, x, max_len: int):
+        if not self.can_decode:
+            raise NotImplementedError(f"{self.spec.name}: a closed form keeps no recurrent state; "
+                                      "generate re-runs the whole sequence instead")
+        raw = self._projections(x)
+        qkv = self.conv(raw) if self.conv is not None else raw
+        q, k, v, knobs = self._split(qkv, x)
+        o, state = self._run(q, k, v, knobs, impl=self.impl, output_final_state=True)
+        cache = {"memory": state}
+        if self.conv is not None:
+            cache["conv"] = self.conv.history(raw)
+        return self._out(o, x), cache
+
+    def decode(self, x, cache, pos):
+        raw = self._projections(x)
+        new_cache = dict(cache)
+        if self.conv is not None:
+            qkv, new_cache["conv"] = self.conv.step(raw, cache["conv"])
+        else:
+            qkv = raw
+        q, k, v, knobs = self._split(qkv, x)
+        o, new_cache["memory"] = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
+                                           output_final_state=True)
+        return self._out(o, x), new_cache

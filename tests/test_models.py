@@ -1,0 +1,178 @@
+"""Language models of atlas_jax.models: every name builds and trains (finite loss and gradients),
+the memory layer's chunked and recurrent forms agree, packed documents equal separate runs,
+parameter counts match the papers' sizes, bad configs fail with a clear error."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from atlas_jax import presets
+from atlas_jax.models import build, config_for, memory_state_size, names, param_count
+from atlas_jax.models.layers import MemoryLayer
+
+B, T = 2, 16
+
+
+def _tokens(seed, shape, vocab=256):
+    return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, vocab, dtype=jnp.int32)
+
+
+def _loss(model, tokens, segment_ids=None):
+    logits = model(tokens[:, :-1], None if segment_ids is None else segment_ids[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def test_names_cover_presets_baselines_and_hybrids():
+    expected = set(presets.names()) | {"transformer", "swa", "titans_mag", "titans_mal", "titans_mac", "atlas_mag",
+                                       "atlas_mal", "atlas_mac", "moneta_h", "yaad_h", "memora_h"}
+    assert set(names()) == expected
+    assert len(names()) == len(set(names()))
+
+
+@pytest.mark.parametrize("name", names())
+def test_forward_backward_finite(name):
+    model = build(name, "tiny", rngs=nnx.Rngs(0))
+    tokens = _tokens(1, (B, T + 1))
+
+    @nnx.jit
+    def step(model, tokens):
+        logits = model(tokens[:, :-1])
+        return nnx.value_and_grad(_loss)(model, tokens), logits
+
+    (loss, grads), logits = step(model, tokens)
+    assert logits.shape == (B, T, 256) and logits.dtype == jnp.float32
+    assert np.isfinite(float(loss))
+    params = nnx.state(model, nnx.Param)
+    grad_leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert len(grad_leaves) == len(jax.tree.leaves(params)) > 0
+    for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param)):
+        assert bool(jnp.all(jnp.isfinite(g))), f"{name}: non-finite gradient at {jax.tree_util.keystr(path)}"
+    # Training signal reaches the token path of every model.
+    assert float(jnp.max(jnp.abs(grads.embed.embedding[...]))) > 0
+
+
+# ---- the memory layer: chunked == recurrent --------------------------------------------------------
+_MEMORY_PRESETS = [n for n in presets.names() if not isinstance(presets.get(n), presets.ClosedForm)]
+
+
+def _layer_out_and_grads(preset, impl, chunk_size, x, weights):
+    layer = MemoryLayer(presets.get(preset), width=32, heads=2, impl=impl, chunk_size=chunk_size,
+                        memory_init="per_head", rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def run(layer, x):
+        def objective(layer, x):
+            out = layer(x)
+            return jnp.sum(out * weights), out
+        (_, out), (g_layer, g_x) = nnx.value_and_grad(objective, argnums=(0, 1), has_aux=True)(layer, x)
+        return out, nnx.state(g_layer, nnx.Param), g_x
+
+    return run(layer, x)
+
+
+@pytest.mark.parametrize("preset", _MEMORY_PRESETS)
+def test_layer_chunked_matches_recurrent(preset):
+    """Exact presets at chunk 8 (two chunks over T=16), the others at chunk 1: outputs and the
+    gradients of every layer parameter and of the input agree to 1e-5 relative (float32)."""
+    exact = presets.get(preset).chunked_is_exact
+    chunk = 8 if exact else 1
+    x = jax.random.normal(jax.random.PRNGKey(2), (B, T, 32), jnp.float32)
+    weights = jax.random.normal(jax.random.PRNGKey(3), (B, T, 32), jnp.float32)
+    out_c, grads_c, gx_c = _layer_out_and_grads(preset, "chunk", chunk, x, weights)
+    out_r, grads_r, gx_r = _layer_out_and_grads(preset, "recurrent", chunk, x, weights)
+    assert _rel(out_c, out_r) <= 1e-5
+    assert _rel(gx_c, gx_r) <= 1e-5
+    flat_c = jax.tree_util.tree_leaves_with_path(grads_c)
+    flat_r = jax.tree.leaves(grads_r)
+    assert len(flat_c) == len(flat_r)
+    for (path, gc), gr in zip(flat_c, flat_r):
+        assert float(jnp.max(jnp.abs(gr))) > 0 or "theta0" in jax.tree_util.keystr(path), \
+            f"{preset}: zero gradient at {jax.tree_util.keystr(path)}"
+        assert _rel(gc, gr) <= 1e-5, f"{preset}: gradient mismatch at {jax.tree_util.keystr(path)}"
+
+
+# ---- packed documents ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gated_deltanet", "titans_mag", "titans_mac"])
+def test_packed_equals_separate(name):
+    """Row 0 packs documents of 5, 3 and 8 tokens, row 1 one document of 16: the packed logits
+    equal each document run alone (memory state, short convolution and attention restart)."""
+    model = build(name, "tiny", rngs=nnx.Rngs(0), max_documents=3, mac_segment=4)
+    tokens = _tokens(4, (2, 16))
+    segment_ids = jnp.asarray([[0] * 5 + [1] * 3 + [2] * 8, [7] * 16], jnp.int32)
+    packed = nnx.jit(lambda m, t, s: m(t, s))(model, tokens, segment_ids)
+    forward = nnx.jit(lambda m, t: m(t))
+    pieces = [(0, 0, 5), (0, 5, 8), (0, 8, 16), (1, 0, 16)]
+    for row, start, end in pieces:
+        alone = forward(model, tokens[row:row + 1, start:end])[0]
+        assert _rel(packed[row, start:end], alone) <= 1e-5, f"{name}: document {row}[{start}:{end}]"
+
+
+def test_too_many_documents_is_nan_not_wrong():
+    model = build("gated_deltanet", "tiny", rngs=nnx.Rngs(0), max_documents=2)
+    tokens = _tokens(5, (1, 12))
+    segment_ids = jnp.asarray([[0] * 4 + [1] * 4 + [2] * 4], jnp.int32)
+    out = model(tokens, segment_ids)
+    assert bool(jnp.all(jnp.isfinite(out[0, :8]))) and bool(jnp.all(jnp.isnan(out[0, 8:])))
+
+
+# ---- sizes and counts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gated_deltanet", "titans", "atlas"])
+@pytest.mark.parametrize("size,nominal", [("340m", 340e6), ("760m", 760e6)])
+def test_param_counts_near_paper_sizes(name, size, nominal):
+    count = param_count(name, size)
+    assert abs(count - nominal) / nominal <= 0.15, f"{name} at {size}: {count / 1e6:.1f}M"
+
+
+def test_param_count_counts_tied_embedding_once():
+    tied = param_count("transformer", "tiny")
+    untied = param_count("transformer", "tiny", tie_embeddings=False)
+    assert untied - tied == 256 * 64
+
+
+def test_memory_state_size():
+    gdn = memory_state_size("gated_deltanet", "tiny")
+    assert gdn["theta"] == 4 * 16 * 16 and gdn["optimizer"] == 0 and gdn["memory_layers"] == 2
+    titans = memory_state_size("titans", "tiny")
+    assert titans["optimizer"] == titans["theta"] > 0          # momentum has θ's shape
+    assert memory_state_size("transformer", "tiny")["total"] == 0
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("call,match", [
+    (lambda: build("gated_deltanet", "tiny", rngs=nnx.Rngs(0), num_heads=5), r"num_heads=5 does not divide width=64.*\[1, 2, 4, 8, 16, 32, 64\]"),
+    (lambda: build("gpt5", "tiny", rngs=nnx.Rngs(0)), r"model name: unknown name 'gpt5'; choose one of \["),
+    (lambda: build("gated_deltanet", "huge", rngs=nnx.Rngs(0)), r"size: unknown size 'huge'; choose one of \["),
+    (lambda: build("titans_mag", "tiny", rngs=nnx.Rngs(0), attention_window=128), r"attention_window=128 is larger than context_length=64; allowed: 1..64"),
+    (lambda: build("gated_deltanet", "tiny", rngs=nnx.Rngs(0), impl="fast"), r"impl must be one of \['auto', 'pallas', 'chunk', 'recurrent'\]"),
+    (lambda: build("gated_deltanet", "tiny", rngs=nnx.Rngs(0), widht=32), r"unknown override\(s\) \['widht'\]"),
+    (lambda: build("moneta_h", "tiny", rngs=nnx.Rngs(0), num_layers=3), r"num_layers=3 must be even"),
+    (lambda: build("titans_mac", "tiny", rngs=nnx.Rngs(0), mac_segment=100), r"mac_segment=100 is larger than context_length=64"),
+    (lambda: build("atlas", "tiny", rngs=nnx.Rngs(0), preset_options={"windw": 2}), r"unknown option\(s\) \['windw'\]"),
+])
+def test_bad_config_raises_clear_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_bad_tokens_raise():
+    model = build("transformer", "tiny", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"tokens must be an int32 array \[B, T\]"):
+        model(jnp.zeros((2, 8), jnp.float32))
+    with pytest.raises(ValueError, match=r"segment_ids must have the tokens' shape"):
+        model(jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 7), jnp.int32))
+
+
+def test_config_merges_size_model_and_overrides():
+    cfg = config_for("atlas_mag", "340m", chunk_size=32, preset_options={"window": 2})
+    assert (cfg.num_layers, cfg.width, cfg.num_heads, cfg.kind, cfg.preset) == (24, 1024, 16, "mag", "atlas")
+    assert cfg.chunk_size == 32 and cfg.options["window"] == 2 and cfg.options["degree"] == 2
+    assert config_for("transformer", "340m").attention_window is None
+    assert config_for("swa", "340m").attention_window == 512
