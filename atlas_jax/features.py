@@ -91,10 +91,13 @@ def _check_degree(name: str, degree) -> None:
 
 @dataclass(frozen=True)
 class Polynomial(FeatureMap):
-    """φ_p(x) = [a_0, a_1 x, a_2 sym_2(x), …, a_p sym_p(x)] with learnable a_i (init 1/i!).
+    """φ_p(x) = [c_0, c_1 x, c_2 sym_2(x), …, c_p sym_p(x)] with learnable c_i.
 
-    The coefficients gate whole degree blocks (ATLAS §3.1, "input feature gating": a_i = 0 drops
-    x^{⊗i}); the induced kernel is ⟨φ(x), φ(y)⟩ = Σ_i a_i² (x·y)^i.
+    The coefficients gate whole degree blocks (ATLAS §3.1, "input feature gating": c_i = 0 drops
+    x^{⊗i}); the induced kernel is ⟨φ(x), φ(y)⟩ = Σ_i a_i (x·y)^i with a_i = c_i². ATLAS
+    initialises a_i = 1/i! so that the kernel starts as the Taylor series of exp (1 + s + s²/2 +
+    …); the feature weights therefore start at c_i = 1/√(i!) (weights 1/i! on the features would
+    give 1 + s + s²/4).
     """
 
     degree: int = 2
@@ -107,7 +110,7 @@ class Polynomial(FeatureMap):
         return math.comb(d + self.degree, self.degree)
 
     def init_params(self) -> dict:
-        return {"coeffs": jnp.asarray([1.0 / math.factorial(i) for i in range(self.degree + 1)],
+        return {"coeffs": jnp.asarray([1.0 / math.sqrt(math.factorial(i)) for i in range(self.degree + 1)],
                                       jnp.float32)}
 
     def apply(self, params, x):

@@ -3,8 +3,9 @@
 A memory is a frozen dataclass with
   * ``init(key, d_in, d_out)``: θ_0, a dict of float32 arrays,
   * ``apply(params, x)``: M_θ(x) for x of shape [..., d_in] (one vector or a batch of them),
-  * ``channel_axes(params)``: for channel-wise retention, the axis of every leaf that indexes the
-    input feature (None when the architecture has no such axis for every leaf),
+  * ``channel_axes(params)``: for channel-wise knobs (retention α_t, step β_t, momentum decay ν_t
+    in ℝ^d), the axis of every leaf that indexes a channel, or None when the architecture has no
+    such axis of one common size in every leaf; ``channel_dim(params)`` is that size,
   * ``describe()``: a short human-readable form for the preset table.
 
 Matrices act on the right (x @ W), so the linear memory's θ = {"S": S} with S ∈ ℝ^{d_in × d_out} is
@@ -20,7 +21,10 @@ import jax.numpy as jnp
 __all__ = ["MemoryArch", "LinearMemory", "MLPMemory", "GatedMLPMemory", "get_memory", "ACTIVATIONS"]
 
 ACTIVATIONS = {
-    "gelu": jax.nn.gelu,
+    # The exact (erf) GELU of Hendrycks & Gimpel, as the papers cite it and as PyTorch's default
+    # (titans-pytorch) computes it; jax.nn.gelu's default is the tanh approximation.
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "silu": jax.nn.silu,
     "relu": jax.nn.relu,
     "tanh": jnp.tanh,
@@ -50,6 +54,13 @@ class MemoryArch:
 
     def channel_axes(self, params: dict):
         return None
+
+    def channel_dim(self, params: dict) -> int | None:
+        """The size d of the channel axis (None when channel-wise knobs do not apply)."""
+        axes = self.channel_axes(params)
+        if axes is None:
+            return None
+        return int(params[next(iter(axes))].shape[axes[next(iter(axes))]])
 
     def describe(self) -> str:
         return self.name
@@ -134,6 +145,15 @@ class MLPMemory(MemoryArch):
             y = y + (x @ params["skip"].astype(x.dtype) if "skip" in params else x)
         return y
 
+    def channel_axes(self, params):
+        # A depth-2 memory that reads and writes the same d channels: channel j owns row j of
+        # W0 (how input channel j feeds the hidden layer) and column j of W1 (how the hidden layer
+        # writes output channel j), so every weight has exactly one channel axis. Deeper MLPs
+        # have hidden×hidden layers with none, and a skip map means d_in ≠ d_out.
+        if self.depth != 2 or "skip" in params:
+            return None
+        return {"W0": 0, "W1": 1}
+
     def describe(self):
         parts = [f"MLP(depth={self.depth}, {self.activation}"]
         if self.residual:
@@ -174,6 +194,11 @@ class GatedMLPMemory(MemoryArch):
         if self.residual:
             y = y + (x @ params["skip"].astype(x.dtype) if "skip" in params else x)
         return y
+
+    def channel_axes(self, params):
+        if "skip" in params:   # d_in ≠ d_out: no single channel size (see MLPMemory)
+            return None
+        return {"Wg": 0, "Wu": 0, "Wd": 1}
 
     def describe(self):
         return f"gated MLP({self.activation}{', residual' if self.residual else ''})"

@@ -28,7 +28,7 @@ import optax
 __all__ = [
     "OptimizerInfo", "MomentumState", "LeastSquaresState", "MUON_COEFFICIENTS", "CUBIC_COEFFICIENTS",
     "gd", "momentum", "muon", "implicit_gd", "least_squares", "multi_step", "newton_schulz",
-    "info", "describe", "get_optimizer",
+    "info", "describe", "get_optimizer", "scale_tree",
 ]
 
 # Muon's quintic (Jordan et al. 2024): fast, and deliberately not convergent (singular values land
@@ -46,6 +46,7 @@ class OptimizerInfo(NamedTuple):
     ns_eps: float = 1e-7
     ridge: float | None = None
     steps: int = 1                 # inner steps per token (DeltaProduct-style multi-step GD)
+    step_inside: bool = False      # momentum: β_t scales the gradient before it enters m (Titans)
 
 
 class MomentumState(NamedTuple):
@@ -76,6 +77,8 @@ def describe(opt) -> str:
     else:
         text = {"gd": "GD", "momentum": "GD + momentum", "implicit_gd": "implicit GD",
                 "optax": "optax transform"}[i.kind]
+        if i.kind == "momentum" and i.step_inside:
+            text = "GD + momentum (step inside)"
     return f"{i.steps} × {text} per token" if i.steps > 1 else text
 
 
@@ -86,6 +89,14 @@ def _positive(name, value):
 
 def _step(step_size, default):
     return default if step_size is None else step_size
+
+
+def scale_tree(factor, tree):
+    """factor ⊙ tree, where ``factor`` is a scalar or a tree shaped like ``tree`` whose leaves
+    broadcast against its leaves (how the recurrence hands over channel-wise β_t and ν_t)."""
+    if isinstance(factor, dict):
+        return jax.tree.map(lambda f, x: f * x, factor, tree)
+    return jax.tree.map(lambda x: factor * x, tree)
 
 
 def gd(step_size: float = 1.0) -> optax.GradientTransformationExtraArgs:
@@ -100,7 +111,7 @@ def gd(step_size: float = 1.0) -> optax.GradientTransformationExtraArgs:
 
     def update(grads, state, params=None, *, step_size=None, **extra):
         beta = _step(step_size, default_beta)
-        return jax.tree.map(lambda g: -beta * g, grads), state
+        return scale_tree(beta, jax.tree.map(jnp.negative, grads)), state
 
     return _tag(init, update, OptimizerInfo(kind="gd", step_size=step_size))
 
@@ -125,8 +136,11 @@ def implicit_gd(step_size: float = 1.0) -> optax.GradientTransformationExtraArgs
         if input_sq_norm is None:
             raise ValueError("implicit_gd needs the extra arg input_sq_norm (Σ γ‖φ(k)‖²); "
                              "the atlas_jax recurrence passes it, call it through MemorySpec")
-        eff = beta / (1.0 + beta * input_sq_norm)
-        return jax.tree.map(lambda g: -eff * g, grads), state
+        if isinstance(beta, dict):
+            eff = jax.tree.map(lambda b: b / (1.0 + b * input_sq_norm), beta)
+        else:
+            eff = beta / (1.0 + beta * input_sq_norm)
+        return scale_tree(eff, jax.tree.map(jnp.negative, grads)), state
 
     return _tag(init, update, OptimizerInfo(kind="implicit_gd", step_size=step_size))
 
@@ -139,13 +153,23 @@ def _momentum_pieces(momentum_decay):
         return MomentumState(momentum=jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params))
 
     def trace(grads, state, nu):
-        return jax.tree.map(lambda m, g: nu * m + g, state.momentum, grads)
+        return jax.tree.map(jnp.add, scale_tree(nu, state.momentum), grads)
 
     return init, trace
 
 
-def momentum(step_size: float = 1.0, momentum_decay: float = 0.9) -> optax.GradientTransformationExtraArgs:
-    """Titans: m_t = ν_t m_{t−1} + ∇, updates = −β_t m_t."""
+def momentum(step_size: float = 1.0, momentum_decay: float = 0.9, *,
+             step_inside: bool = False) -> optax.GradientTransformationExtraArgs:
+    """Gradient descent with momentum, in either of the two conventions of the seeds.
+
+    ``step_inside=False`` (the blog's Adam-style form, seed 000 §3; ATLAS' Muon without NS):
+        m_t = ν_t m_{t−1} + ∇ℓ,        updates = −β_t m_t
+    ``step_inside=True`` (the Titans paper, MIRAS Table 1 "Titans-LMM"; the titans preset):
+        S_t = η_t S_{t−1} − θ_t ∇ℓ,    updates = S_t        (η_t = ν_t, θ_t = β_t)
+    so that M_t = α_t M_{t−1} + S_t with retention. The two agree when β is constant in time;
+    with a per-token β the step of an old token is its own β_i (inside) rather than today's β_t.
+    The state holds m_t (outside) or S_t (inside).
+    """
     _positive("momentum: step_size", step_size)
     init, trace = _momentum_pieces(momentum_decay)
     default_beta, default_nu = step_size, momentum_decay
@@ -153,11 +177,14 @@ def momentum(step_size: float = 1.0, momentum_decay: float = 0.9) -> optax.Gradi
     def update(grads, state, params=None, *, step_size=None, momentum_decay=None, **extra):
         nu = _step(momentum_decay, default_nu)
         beta = _step(step_size, default_beta)
+        if step_inside:
+            s_t = trace(scale_tree(beta, jax.tree.map(jnp.negative, grads)), state, nu)
+            return s_t, MomentumState(s_t)
         m = trace(grads, state, nu)
-        return jax.tree.map(lambda x: -beta * x, m), MomentumState(m)
+        return scale_tree(beta, jax.tree.map(jnp.negative, m)), MomentumState(m)
 
     return _tag(init, update, OptimizerInfo(kind="momentum", step_size=step_size,
-                                            momentum_decay=momentum_decay))
+                                            momentum_decay=momentum_decay, step_inside=bool(step_inside)))
 
 
 def _coefficients(coefficients):
@@ -197,7 +224,9 @@ def orthogonalize_tree(tree, steps, coefficients, eps):
 
 def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
          coefficients="muon", eps: float = 1e-7) -> optax.GradientTransformationExtraArgs:
-    """ATLAS: m_t = ν_t m_{t−1} + ∇, updates = −β_t NewtonSchulz_J(m_t)."""
+    """ATLAS (eq. 32–33): S_t = θ_t S_{t−1} + ∇ℓ, M_t = α_t M_{t−1} − η_t NewtonSchulz_J(S_t),
+    i.e. m_t = ν_t m_{t−1} + ∇, updates = −β_t NS_J(m_t): the step multiplies after the momentum
+    (the convention of ``momentum(step_inside=False)``)."""
     _positive("muon: step_size", step_size)
     if not isinstance(ns_steps, int) or ns_steps < 0:
         raise ValueError(f"muon: ns_steps must be an int >= 0, got {ns_steps!r}")
@@ -210,7 +239,7 @@ def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
         beta = _step(step_size, default_beta)
         m = trace(grads, state, nu)
         direction = orthogonalize_tree(m, ns_steps, coeffs, eps)
-        return jax.tree.map(lambda x: -beta * x, direction), MomentumState(m)
+        return scale_tree(beta, jax.tree.map(jnp.negative, direction)), MomentumState(m)
 
     return _tag(init, update, OptimizerInfo(kind="muon", step_size=step_size, momentum_decay=momentum_decay,
                                             ns_steps=ns_steps, ns_coefficients=coeffs, ns_eps=eps))

@@ -124,7 +124,9 @@ def ttt_mlp(*, hidden: int | None = None, activation: str = "gelu", step_size: f
 
 def titans(*, depth: int = 2, hidden: int | None = None, step_size: float = 1.0,
            momentum_decay: float = 0.9) -> MemorySpec:
-    return MemorySpec(MLPMemory(depth, hidden), Identity(), obj.L2(), 1, opt.momentum(step_size, momentum_decay),
+    # Titans eq. 13–14 (MIRAS Table 1): S_t = η_t S_{t−1} − θ_t ∇ℓ, M_t = α_t M_{t−1} + S_t.
+    return MemorySpec(MLPMemory(depth, hidden), Identity(), obj.L2(), 1,
+                      opt.momentum(step_size, momentum_decay, step_inside=True),
                       ret.scalar(decoupled=True), "titans")
 
 
@@ -153,9 +155,10 @@ def atlas_pp(*, window: int = 4, degree: int = 2, hidden: int | None = None, ns_
                       opt.muon(step_size, momentum_decay, ns_steps), ret.scalar(decoupled=True), "atlas_pp")
 
 
-def moneta(*, p: float = 3.0, q: float = 4.0, hidden: int | None = None) -> MemorySpec:
+def moneta(*, p: float = 3.0, q: float = 4.0, hidden: int | None = None, map_at: str = "chunk_end") -> MemorySpec:
+    # MIRAS §5: A_t = α_t A_{t−1} − η_t ∇ℓ_p, W_t = A_t / ‖A_t‖_q^{q−2}; the block x + LN(W1 σ(W2 x)).
     return MemorySpec(MLPMemory(2, hidden, residual=True, layernorm=True), Identity(), obj.Lp(p), 1, opt.gd(),
-                      ret.lq(q), "moneta")
+                      ret.lq(q, map_at=map_at), "moneta")
 
 
 def yaad(*, delta: float = 1.0, hidden: int | None = None) -> MemorySpec:
@@ -163,8 +166,10 @@ def yaad(*, delta: float = 1.0, hidden: int | None = None) -> MemorySpec:
                       obj.Huber("mixture", delta), 1, opt.gd(), ret.scalar(decoupled=True), "yaad")
 
 
-def memora(*, scale: float = 1.0, hidden: int | None = None) -> MemorySpec:
-    return MemorySpec(MLPMemory(2, hidden), Identity(), obj.L2(), 1, opt.gd(), ret.kl(scale), "memora")
+def memora(*, scale: float = 1.0, hidden: int | None = None, map_at: str = "chunk_end") -> MemorySpec:
+    # MIRAS §5: W_t = Softmax(α_t log W_{t−1} − η_t ∇ℓ_2), with Moneta's block x + LN(W1 σ(W2 x)).
+    return MemorySpec(MLPMemory(2, hidden, residual=True, layernorm=True), Identity(), obj.L2(), 1, opt.gd(),
+                      ret.kl(scale, map_at=map_at), "memora")
 
 
 def deep_transformer(*, normalize: bool = False) -> ClosedForm:

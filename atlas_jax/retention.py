@@ -28,7 +28,16 @@ The non-identity maps are MIRAS's retention gates:
   S_γ(z) ≈ |z| · arctan(z/γ) / (π/2) (or the exact shrinkage with ``smooth=False``).
 
 Because the decay is linear in A, the chunked form can run any of them as in-chunk linear
-recurrences and apply the map per token.
+recurrences. Where the map applies in the chunked form is ``map_at``:
+
+* ``"token"``: θ_t = map(A_t) for every token (the recurrence itself, at any chunk size);
+* ``"chunk_end"`` (MIRAS §5 "Parallelizable Training", the moneta and memora presets): inside a
+  chunk the memory moves linearly, θ_t = P_t θ₀ + Σ_{i≤t} (P_t/P_i) u_i with θ₀ the chunk's
+  starting memory, and the map is applied at the chunk's end, θ_end = map(A_end), with A carried
+  across chunks as in the recurrence. This keeps every in-chunk read linear in the updates (what
+  the dual form needs: MIRAS "we do not apply this non-linearity inside each chunk and instead use
+  it at the end of each chunk"). At chunk size 1 both are the per-token recurrence; the recurrent
+  form always maps per token.
 """
 from __future__ import annotations
 
@@ -42,6 +51,7 @@ __all__ = ["Retention", "none", "scalar", "channel", "lq", "kl", "elastic_net", 
            "get_retention"]
 
 _DECAYS = ("none", "scalar", "channel")
+MAP_SCHEDULES = ("token", "chunk_end")
 
 
 @dataclass(frozen=True)
@@ -55,11 +65,16 @@ class Retention:
     decay: str = "none"
     log_decay: float | None = None
     decoupled: bool = False
+    map_at: str = "token"
     name = "retention"
 
     def __post_init__(self):
         if self.decay not in _DECAYS:
             raise ValueError(f"retention: decay must be one of {_DECAYS}, got {self.decay!r}")
+        if self.map_at not in MAP_SCHEDULES:
+            raise ValueError(f"retention: map_at must be one of {MAP_SCHEDULES}, got {self.map_at!r}")
+        if self.map_at != "token" and not self.has_map:
+            raise ValueError("retention: map_at only applies to a retention with a map (lq, kl, elastic_net)")
         if self.log_decay is not None:
             if self.decay != "scalar":
                 raise ValueError("retention: a constant log_decay is only meaningful with decay='scalar'")
@@ -90,6 +105,9 @@ class Retention:
 
     def describe(self) -> str:
         return self.describe_decay()
+
+    def describe_map_at(self) -> str:
+        return ", map at chunk ends" if self.map_at == "chunk_end" else ""
 
 
 def none() -> Retention:
@@ -129,7 +147,7 @@ class LqRetention(Retention):
         return jax.tree.map(lambda w: w * self._norm(w) ** ((self.q - 2) / (3 - self.q)), params)
 
     def describe(self):
-        return f"ℓ{self.q:g} normalisation + {self.describe_decay()}"
+        return f"ℓ{self.q:g} normalisation + {self.describe_decay()}{self.describe_map_at()}"
 
 
 @dataclass(frozen=True)
@@ -145,7 +163,7 @@ class KLRetention(Retention):
         return jax.tree.map(lambda w: jnp.log(jnp.maximum(w / self.scale, 1e-30)), params)
 
     def describe(self):
-        return f"KL (softmax) + {self.describe_decay()}"
+        return f"KL (softmax) + {self.describe_decay()}{self.describe_map_at()}"
 
 
 @dataclass(frozen=True)
@@ -170,25 +188,29 @@ class ElasticNetRetention(Retention):
         return params
 
     def describe(self):
-        return f"elastic net ({'smooth ' if self.smooth else ''}soft-threshold) + {self.describe_decay()}"
+        return (f"elastic net ({'smooth ' if self.smooth else ''}soft-threshold) + {self.describe_decay()}"
+                f"{self.describe_map_at()}")
 
 
 # MIRAS writes its variants with the gradient at θ_{t−1}, hence decoupled by default.
-def lq(q: float = 4.0, decay: str = "scalar", decoupled: bool = True) -> Retention:
-    return LqRetention(decay=decay, decoupled=decoupled, q=q)
+def lq(q: float = 4.0, decay: str = "scalar", decoupled: bool = True, map_at: str = "token") -> Retention:
+    return LqRetention(decay=decay, decoupled=decoupled, map_at=map_at, q=q)
 
 
-def kl(scale: float = 1.0, axis: int = -1, decay: str = "scalar", decoupled: bool = True) -> Retention:
-    return KLRetention(decay=decay, decoupled=decoupled, scale=scale, axis=axis)
+def kl(scale: float = 1.0, axis: int = -1, decay: str = "scalar", decoupled: bool = True,
+       map_at: str = "token") -> Retention:
+    return KLRetention(decay=decay, decoupled=decoupled, map_at=map_at, scale=scale, axis=axis)
 
 
 def elastic_net(threshold: float = 1e-2, smooth: bool = True, decay: str = "scalar",
-                decoupled: bool = True) -> Retention:
-    return ElasticNetRetention(decay=decay, decoupled=decoupled, threshold=threshold, smooth=smooth)
+                decoupled: bool = True, map_at: str = "token") -> Retention:
+    return ElasticNetRetention(decay=decay, decoupled=decoupled, map_at=map_at, threshold=threshold,
+                               smooth=smooth)
 
 
 def decay_tree(tree, factor, kind: str, channel_axes=None):
-    """α ⊙ tree: ``factor`` is a scalar (kind 'scalar') or a [d_in] vector (kind 'channel')."""
+    """α ⊙ tree: ``factor`` is a scalar (kind 'scalar') or a [d] vector along each leaf's channel
+    axis (kind 'channel', ``channel_axes`` from the memory)."""
     if kind == "none":
         return tree
     if kind == "scalar":

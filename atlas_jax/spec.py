@@ -6,11 +6,19 @@
                     output_final_state=True, form="chunked", chunk_size=16)
 
 Layout [B, T, H, D] as in flash-linear-attention. Per-token knobs, all [B, T, H] unless noted:
-  beta   β_t step size (default: the optimizer's own); [B, T, H, n] with n inner steps per token
-  g      log retention g_t, α_t = exp(g_t) ([B, T, H, d_φ] for channel retention)
-  nu     ν_t momentum decay (default: the optimizer's own)
-  gamma  γ_t Omega-window gate of token t (default 1)
-  delta  the objective's per-token knob (Huber δ_t, robust radius Δ_t; default: the objective's own)
+  beta   β_t step size (default: the optimizer's own); [B, T, H, n] with n inner steps per token;
+         channel-wise [B, T, H, d] (MIRAS "Channel-wise Parameters")
+  g      log retention g_t, α_t = exp(g_t); [B, T, H, d] for channel retention
+  nu     ν_t momentum decay (default: the optimizer's own); channel-wise [B, T, H, d]
+  gamma  γ_t Omega-window gate of token t (default 1); or [B, T, H, c], γ_i^{(t)}: step t's weight
+         of each of its c window positions, oldest first (ATLAS §3: γ_i^{(t)} may depend on both)
+  delta  the objective's per-token knob (Huber δ_t, robust radius Δ_t; default: the objective's own);
+         or per output channel [B, T, H, V]
+The channels d of β, ν and α are the memory's channel axis (``memory.channel_axes``): the input
+features d_φ of a linear memory (KDA's key channels), and for a depth-2 MLP with d_φ = V the d
+channels it reads and writes (row j of W0 and column j of W1 belong to channel j). With a
+channel-wise β the linear family's chunked form is the chunk-start form (β ∈ ℝ^d per token is
+outside the exact WY family); at chunk size 1 it equals the recurrence.
 With ``steps`` inner steps per token (``optimizers.multi_step``), k and v may carry one pair per
 step: k [B, T, H, n, K], v [B, T, H, n, V] (DeltaProduct); otherwise each step reuses the token's pair.
 """
@@ -61,9 +69,12 @@ class MemorySpec:
                             f"(e.g. atlas_jax.optimizers.gd() or optax.adam(1e-2)), got {type(self.optimizer).__name__}")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             raise ValueError(f"MemorySpec: window must be an int >= 1 (1 = the current token only), got {self.window!r}")
-        if self.retention.decay == "channel" and not isinstance(self.memory, LinearMemory):
-            raise ValueError("MemorySpec: channel retention decays the input-feature rows of a linear memory; "
-                             f"{self.memory.describe()} has none — use retention scalar()")
+        if self.retention.decay == "channel":
+            probe = jax.eval_shape(lambda: self.memory.init(jax.random.PRNGKey(0), 4, 4))
+            if self.memory.channel_axes(probe) is None:
+                raise ValueError(f"MemorySpec: channel retention decays each channel of θ, and a "
+                                 f"{self.memory.describe()} memory has no single channel axis (a linear "
+                                 "memory or a depth-2 MLP has one) — use retention scalar()")
         if self.steps > 1 and self.window > 1:
             raise ValueError("MemorySpec: several inner steps per token and an Omega window > 1 cannot be "
                              "combined; pick one")
@@ -136,7 +147,7 @@ class MemorySpec:
             d_in = _input_dim(params, self.memory)
             c = self.window - 1
             win = WindowCache(jnp.zeros((c, d_in), jnp.float32), jnp.zeros((c, d_v), jnp.float32),
-                              jnp.zeros((c,), jnp.float32), jnp.zeros((c,), jnp.float32))
+                              jnp.zeros((c,), jnp.float32), jnp.zeros((c, d_v), jnp.float32))
         return opt_state, acc, win
 
     # ---- running -------------------------------------------------------------------------
@@ -203,6 +214,12 @@ def _check_float(name, x):
         raise TypeError(f"{name} must have a floating dtype (float32/bfloat16), got {jnp.asarray(x).dtype}")
 
 
+def _channel_dim(spec, d_k, d_v):
+    """The size of the memory's channel axis for channel-wise β, ν and α (None if it has none)."""
+    shapes = jax.eval_shape(lambda: spec.memory.init(jax.random.PRNGKey(0), spec.feature_dim(d_k), d_v))
+    return spec.memory.channel_dim(shapes)
+
+
 def _check_inputs(spec, q, k, v, beta, g, nu, gamma, delta):
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("nu", nu),
                     ("gamma", gamma), ("delta", delta)):
@@ -222,12 +239,26 @@ def _check_inputs(spec, q, k, v, beta, g, nu, gamma, delta):
                          f"matching k {tuple(k.shape)}, got {tuple(v.shape)}")
     d_v = v.shape[-1]
     bth = (batch, time, heads)
-    if beta is not None and beta.shape not in (bth, bth + (n,)):
-        raise ValueError(f"beta must be [B, T, H] = {bth} (or [B, T, H, n] with n = {n} inner steps), "
-                         f"got {tuple(beta.shape)}")
-    for name, x in (("nu", nu), ("gamma", gamma), ("delta", delta)):
-        if x is not None and x.shape != bth:
-            raise ValueError(f"{name} must be [B, T, H] = {bth}, got {tuple(x.shape)}")
+    channels = _channel_dim(spec, d_k, d_v)
+    where = (f"the memory's channels d = {channels}" if channels is not None else
+             f"none: a {spec.memory.describe()} memory on d_φ = {spec.feature_dim(d_k)}, V = {d_v} has no single "
+             "channel axis (channel-wise knobs need a linear memory or a depth-2 MLP with d_φ = V)")
+
+    def check_knob(name, x, extra_shapes, meaning):
+        allowed = [bth] + [bth + (m,) for m in extra_shapes]
+        if x is not None and tuple(x.shape) not in allowed:
+            raise ValueError(f"{name} must be one of {' or '.join(str(a) for a in allowed)} "
+                             f"([B, T, H]{meaning}), got {tuple(x.shape)}")
+
+    if n > 1:
+        check_knob("beta", beta, (n,), f", or [B, T, H, n] with n = {n} inner steps")
+    else:
+        check_knob("beta", beta, () if channels is None else (channels,),
+                   f", or channel-wise [B, T, H, d] over {where}")
+    check_knob("nu", nu, () if channels is None else (channels,), f", or channel-wise [B, T, H, d] over {where}")
+    check_knob("delta", delta, (d_v,), f", or per output channel [B, T, H, V={d_v}]")
+    check_knob("gamma", gamma, (spec.window,), f", or one weight per window position [B, T, H, c={spec.window}], "
+                                                "oldest first")
     if delta is not None and not spec.objective.uses_delta:
         raise ValueError(f"delta: the {spec.objective.describe()} objective has no per-token knob; drop delta")
     if nu is not None and spec.opt_kind not in ("momentum", "muon", "optax"):
@@ -239,13 +270,15 @@ def _check_inputs(spec, q, k, v, beta, g, nu, gamma, delta):
         if not uses_g:
             raise ValueError(f"g: this memory's retention is {spec.retention.describe()!r} (no per-token decay); "
                              "drop g or choose retention scalar()/channel()")
-        d_in = spec.feature_dim(d_k)
         if decay == "channel":
-            if g.shape != bth + (d_in,):
-                raise ValueError(f"g for channel retention must be [B, T, H, d_φ] = {bth + (d_in,)}, got {tuple(g.shape)}")
+            if channels is None:
+                raise ValueError(f"g: channel retention needs a channel axis, and there is {where}")
+            if g.shape != bth + (channels,):
+                raise ValueError(f"g for channel retention must be [B, T, H, d] = {bth + (channels,)} "
+                                 f"(d: {where}), got {tuple(g.shape)}")
         elif g.shape != bth:
             raise ValueError(f"g for scalar retention must be [B, T, H] = {bth}, got {tuple(g.shape)}; "
-                             "a [B, T, H, K] gate needs retention channel()")
+                             "a [B, T, H, d] gate needs retention channel()")
     return batch, time, heads, d_k, d_v, n
 
 
@@ -262,6 +295,14 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         g = jnp.full((batch, time, heads), spec.retention.log_decay, jnp.float32)
     if gamma is None:
         gamma = jnp.ones((batch, time, heads), jnp.float32)
+    window_gates = None
+    if gamma.ndim == 4:   # γ_i^{(t)}: the step's weight of each window position
+        if spec.window == 1:
+            gamma = gamma[..., 0]
+        else:
+            window_gates, gamma = gamma, jnp.ones((batch, time, heads), jnp.float32)
+    if delta is not None and delta.ndim == 3:   # one knob for every output channel
+        delta = jnp.broadcast_to(delta[..., None], delta.shape + (v.shape[-1],))
 
     # Tokens → inner steps [B, T·n, H, ...].
     if fk.ndim == 4:
@@ -271,17 +312,21 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     first = (jnp.arange(n) == 0)
     to_steps = lambda x: None if x is None else jnp.swapaxes(x, 2, 3).reshape((batch, time * n, heads) + x.shape[4:])
     per_step = lambda x: None if x is None else to_steps(jnp.broadcast_to(x[:, :, :, None], (batch, time, heads, n) + x.shape[3:]))
-    beta_steps = None if beta is None else (to_steps(beta[..., None])[..., 0] if beta.ndim == 4 else per_step(beta))
+    per_inner_step = beta is not None and beta.ndim == 4 and n > 1   # else [B, T, H, d] is channel-wise
+    beta_steps = None if beta is None else (to_steps(beta[..., None])[..., 0] if per_inner_step else per_step(beta))
     g_steps = None
     if g is not None:   # the decay acts once per token, on its first inner step
         mask = first.reshape((1, 1, 1, n) + (1,) * (g.ndim - 3))
         g_steps = to_steps(jnp.where(mask, jnp.broadcast_to(g[:, :, :, None], (batch, time, heads, n) + g.shape[3:]), 0.0))
     steps_bsh = Steps(inputs=to_steps(fk), targets=to_steps(v), queries=per_step(fq), step_size=beta_steps,
                       log_decay=g_steps, momentum_decay=per_step(nu), gates=per_step(gamma),
-                      delta=per_step(delta), active=jnp.ones((batch, time * n, heads), jnp.float32))
+                      delta=per_step(delta), active=jnp.ones((batch, time * n, heads), jnp.float32),
+                      window_gates=per_step(window_gates))
     emit = slice(n - 1, None, n)
 
-    if form == "chunked" and is_exact(spec):
+    # A channel-wise β is outside the WY (delta-rule) family: the chunk-start form runs it.
+    channel_beta = beta_steps is not None and beta_steps.ndim == 4
+    if form == "chunked" and is_exact(spec) and not channel_beta:
         o, params = exact_chunked(spec, state.params, steps_bsh, chunk_size=chunk_size)
         final = MemoryState(params, state.opt_state, None, None)
         return o[:, emit], final

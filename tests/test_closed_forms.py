@@ -1,6 +1,8 @@
 """Each closed form in the seeds, recovered from the four-axis core."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,12 +131,14 @@ def test_ttt_mlp_explicit_gradients_equal_autodiff():
     assert rel(new.params["W1"][0, 0], params["W1"] - 0.3 * explicit_W1) < 1e-5
 
 
-def test_titans_momentum_and_decay_recurrence():
-    """m_t = ν_t m_{t−1} + ∇ℓ(θ_{t−1}),  θ_t = α_t θ_{t−1} − β_t m_t  (seed 000 §3), by hand."""
+def test_momentum_with_the_step_outside_and_decay_recurrence():
+    """m_t = ν_t m_{t−1} + ∇ℓ(θ_{t−1}),  θ_t = α_t θ_{t−1} − β_t m_t  (seed 000 §3's Adam-style form,
+    ``momentum(step_inside=False)``), by hand. The titans preset's own form, the step inside the
+    momentum, is tested in test_paper_fidelity.py."""
     B, Tn, H, K, V = 1, 19, 2, 6, 6
     q, k, v, beta, g = random_inputs(5, B=B, T=Tn, H=H, K=K, V=V)
     nu = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(6), beta.shape))
-    spec = presets.get("titans", hidden=12)
+    spec = dataclasses.replace(presets.get("titans", hidden=12), optimizer=opt.momentum(1.0, 0.9))
     state0 = spec.init_state(jax.random.PRNGKey(7), batch=B, heads=H, d_k=K, d_v=V)
     o, final = spec(q, k, v, beta=0.5 * beta, g=g, nu=nu, initial_state=state0, output_final_state=True)
     memory = spec.memory

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import optax
 
 from atlas_jax import optimizers as inner_opt
-from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, decay_matrix, optimizer_extra_args,
-                                    safe_log, window_gradient)
+from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, channel_extra_args, channel_tree,
+                                    decay_matrix, optimizer_extra_args, safe_log, window_gradient)
 from atlas_jax.memory import LinearMemory
 from atlas_jax.retention import decay_tree
 from atlas_jax.objectives import L2, Dot
@@ -80,33 +80,77 @@ def _orthogonalize_batched(tree, opt_info):
     return jax.tree.map(one, tree)
 
 
-def _parallel_updates(opt_info, grads, opt_state, steps: Steps, sq_norm):
+def _linear_recurrence(log_factors, inputs, start, channel_axes):
+    """x_t = f_t ⊙ x_{t−1} + u_t for every step of a chunk at once, x_0 = ``start``.
+
+    ``log_factors``: None (f = 1), [b] (scalar per step) or [b, d] (one factor per channel, along
+    each leaf's channel axis); ``inputs`` a tree of [b, ...] leaves. Masked decay matmuls, with the
+    mask applied before exp (``decay_matrix``)."""
+    if log_factors is None:
+        b = jax.tree.leaves(inputs)[0].shape[0]
+        lower = jnp.tril(jnp.ones((b, b), jnp.float32))
+        return jax.tree.map(lambda u, x0: jnp.einsum("TI,I...->T...", lower, u) + x0[None], inputs, start)
+    within = decay_matrix(log_factors)                      # [b, b] or [b, b, d]
+    from_start = jnp.exp(jnp.cumsum(log_factors, axis=0))   # [b]    or [b, d]
+    if log_factors.ndim == 1:
+        def one(u, x0):
+            scale = jnp.reshape(from_start, from_start.shape + (1,) * x0.ndim)
+            return jnp.einsum("TI,I...->T...", within, u) + scale * x0[None]
+        return jax.tree.map(one, inputs, start)
+
+    def one_channel(key):
+        axis = channel_axes[key]
+        u = jnp.moveaxis(inputs[key], axis + 1, 1)        # [b, d, ...]
+        x0 = jnp.moveaxis(start[key], axis, 0)            # [d, ...]
+        tail = (1,) * (x0.ndim - 1)
+        x = (jnp.einsum("TIC,IC...->TC...", within, u)
+             + jnp.reshape(from_start, from_start.shape + tail) * x0[None])
+        return jnp.moveaxis(x, 1, axis + 1)
+
+    return {key: one_channel(key) for key in inputs}
+
+
+def _per_step(knob, tree, channel_axes):
+    """A [b] or [b, d] per-step knob shaped to multiply a tree of [b, ...] leaves."""
+    if knob.ndim == 2:
+        return channel_tree(knob, tree, channel_axes, lead=1)
+    return jax.tree.map(lambda leaf: jnp.reshape(knob, knob.shape + (1,) * (leaf.ndim - 1)), tree)
+
+
+def _times(knob, tree, channel_axes):
+    factor = _per_step(knob, tree, channel_axes)
+    return jax.tree.map(jnp.multiply, factor, tree)
+
+
+def _parallel_updates(opt_info, grads, opt_state, steps: Steps, sq_norm, channel_axes):
     """u_t for all steps of a chunk and the optimizer state after it (GD / momentum / Muon / implicit)."""
-    beta = steps.step_size if steps.step_size is not None else jnp.full(steps.active.shape, opt_info.step_size)
-    beta = beta * steps.active
-    expand = lambda a, leaf: jnp.reshape(a, a.shape + (1,) * (leaf.ndim - 1))
+    active = steps.active
+    beta = steps.step_size if steps.step_size is not None else jnp.full(active.shape, opt_info.step_size)
+    beta = beta * (active if beta.ndim == 1 else active[:, None])
+    negative = jax.tree.map(jnp.negative, grads)
     if opt_info.kind == "gd":
-        return jax.tree.map(lambda g: -expand(beta, g) * g, grads), opt_state
+        return _times(beta, negative, channel_axes), opt_state
     if opt_info.kind == "implicit_gd":
-        eff = beta / (1.0 + beta * sq_norm)
-        return jax.tree.map(lambda g: -expand(eff, g) * g, grads), opt_state
-    nu = steps.momentum_decay if steps.momentum_decay is not None else jnp.full(
-        steps.active.shape, opt_info.momentum_decay)
-    nu = jnp.where(steps.active > 0, nu, 1.0)   # padding keeps m
+        eff = beta / (1.0 + beta * (sq_norm if beta.ndim == 1 else sq_norm[:, None]))
+        return _times(eff, negative, channel_axes), opt_state
+    nu = steps.momentum_decay if steps.momentum_decay is not None else jnp.full(active.shape, opt_info.momentum_decay)
+    nu = jnp.where((active > 0) if nu.ndim == 1 else (active > 0)[:, None], nu, 1.0)   # padding keeps m
     log_nu = safe_log(nu)
-    within = decay_matrix(log_nu)                      # [b, b]
-    from_start = jnp.exp(jnp.cumsum(log_nu))           # [b]
-    m = jax.tree.map(lambda g, m0: jnp.einsum("TI,I...->T...", within, g) + expand(from_start, g) * m0[None],
-                     grads, opt_state.momentum)
-    direction = _orthogonalize_batched(m, opt_info) if opt_info.kind == "muon" else m
-    updates = jax.tree.map(lambda d: -expand(beta, d) * d, direction)
+    if opt_info.step_inside:   # Titans: S_t = ν_t S_{t−1} − β_t ∇, updates = S_t
+        m = _linear_recurrence(log_nu, _times(beta, negative, channel_axes), opt_state.momentum, channel_axes)
+        updates = _times(active, m, channel_axes)   # padding writes nothing
+    else:                      # m_t = ν_t m_{t−1} + ∇, updates = −β_t [NS](m_t)
+        m = _linear_recurrence(log_nu, grads, opt_state.momentum, channel_axes)
+        direction = _orthogonalize_batched(m, opt_info) if opt_info.kind == "muon" else m
+        updates = _times(beta, jax.tree.map(jnp.negative, direction), channel_axes)
     return updates, inner_opt.MomentumState(jax.tree.map(lambda x: x[-1], m))
 
 
 def _scanned_steps(spec, grads, opt_state, base0, steps: Steps, windows, sq_norm, channel_axes):
     """Any other optax transform (adam, least squares, …): the chunk's steps run in sequence on the
     chunk-start gradients, each update applied to the running state as in the recurrence (a
-    transform may read its params: least squares returns θ* − θ). Returns A_t for every step."""
+    transform may read its params: least squares returns θ* − θ). Returns A_t and u_t for every
+    step, and the optimizer state after the chunk."""
     opt = optax.with_extra_args_support(spec.optimizer)
     retention = spec.retention
     per_step = optimizer_extra_args(steps, windows["inputs"], windows["targets"], windows["weights"], sq_norm,
@@ -121,42 +165,24 @@ def _scanned_steps(spec, grads, opt_state, base0, steps: Steps, windows, sq_norm
             decayed = decay_tree(base, jnp.exp(log_decay), retention.decay, channel_axes)
         point = params if (retention.decoupled or retention.decay == "none") else (
             retention.map(decayed) if retention.has_map else decayed)
-        updates, new_state = opt.update(g, state, point, **extra)
+        updates, new_state = opt.update(g, state, point, **channel_extra_args(extra, base, channel_axes))
+        updates = jax.tree.map(lambda u: jnp.where(active > 0, u, 0.0), updates)
         new_base = jax.tree.map(lambda d, u: d + u, decayed, updates)
         keep = lambda n, o: jnp.where(active > 0, n, o)
         new_carry = (jax.tree.map(keep, new_state, state), jax.tree.map(keep, new_base, base))
-        return new_carry, new_carry[1]
+        return new_carry, (new_carry[1], updates)
 
-    (new_state, _), acc = jax.lax.scan(body, (opt_state, base0), (grads, per_step, steps.log_decay, steps.active))
-    return acc, new_state
+    (new_state, _), (acc, updates) = jax.lax.scan(body, (opt_state, base0),
+                                                  (grads, per_step, steps.log_decay, steps.active))
+    return acc, updates, new_state
 
 
 def _retention_recurrence(spec, base0, updates, steps: Steps, channel_axes):
     """A_t = α_t ⊙ A_{t−1} + u_t for every step of the chunk, in parallel."""
-    kind = spec.retention.decay
-    if kind == "none" or steps.log_decay is None:
-        b = steps.active.shape[0]
-        lower = jnp.tril(jnp.ones((b, b), jnp.float32))
-        return jax.tree.map(lambda u, a0: jnp.einsum("TI,I...->T...", lower, u) + a0[None], updates, base0)
+    if spec.retention.decay == "none" or steps.log_decay is None:
+        return _linear_recurrence(None, updates, base0, channel_axes)
     g = jnp.where((steps.active > 0).reshape((-1,) + (1,) * (steps.log_decay.ndim - 1)), steps.log_decay, 0.0)
-    within = decay_matrix(g)                         # [b, b] or [b, b, d_in]
-    from_start = jnp.exp(jnp.cumsum(g, axis=0))      # [b]  or [b, d_in]
-    if kind == "scalar":
-        def one(u, a0):
-            scale = jnp.reshape(from_start, from_start.shape + (1,) * a0.ndim)
-            return jnp.einsum("TI,I...->T...", within, u) + scale * a0[None]
-        return jax.tree.map(one, updates, base0)
-
-    def one_channel(key):
-        axis = channel_axes[key]
-        u = jnp.moveaxis(updates[key], axis + 1, 1)        # [b, d_in, ...]
-        a0 = jnp.moveaxis(base0[key], axis, 0)             # [d_in, ...]
-        tail = (1,) * (a0.ndim - 1)
-        acc = (jnp.einsum("TIC,IC...->TC...", within, u)
-               + jnp.reshape(from_start, from_start.shape + tail) * a0[None])
-        return jnp.moveaxis(acc, 1, axis + 1)
-
-    return {key: one_channel(key) for key in updates}
+    return _linear_recurrence(g, updates, base0, channel_axes)
 
 
 def _gradient_points(spec, params0, acc0, steps: Steps, channel_axes):
@@ -168,9 +194,10 @@ def _gradient_points(spec, params0, acc0, steps: Steps, channel_axes):
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape), params0)
     g = jnp.where((steps.active > 0).reshape((-1,) + (1,) * (steps.log_decay.ndim - 1)), steps.log_decay, 0.0)
     from_start = jnp.exp(jnp.cumsum(g, axis=0))
-    base0 = acc0 if retention.has_map else params0
+    in_map = retention.has_map and retention.map_at == "token"   # chunk_end: the chunk is linear in θ
+    base0 = acc0 if in_map else params0
     decayed = jax.vmap(lambda f: decay_tree(base0, f, retention.decay, channel_axes))(from_start)
-    return jax.vmap(retention.map)(decayed) if retention.has_map else decayed
+    return jax.vmap(retention.map)(decayed) if in_map else decayed
 
 
 def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int):
@@ -195,6 +222,8 @@ def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int)
                    "delta": None if xc.delta is None else jnp.concatenate([win.delta, xc.delta])}
         windows = {key: None if value is None else value[window_index] for key, value in ext.items()}
         windows["weights"] = windows["weights"] * xc.active[:, None]   # padding steps take no gradient
+        if xc.window_gates is not None:   # step t's own weight of each window position
+            windows["weights"] = windows["weights"] * xc.window_gates
         points = _gradient_points(spec, params0, acc0, xc, channel_axes)
 
         grads = jax.vmap(lambda p, x, y, w, d: window_gradient(memory, objective, p, x, y, w, d),
@@ -204,11 +233,22 @@ def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int)
 
         base0 = acc0 if retention.has_map else params0
         if opt_info.kind in _PARALLEL_KINDS:
-            updates, new_opt_state = _parallel_updates(opt_info, grads, opt_state, xc, sq_norm)
+            updates, new_opt_state = _parallel_updates(opt_info, grads, opt_state, xc, sq_norm, channel_axes)
             acc = _retention_recurrence(spec, base0, updates, xc, channel_axes)
         else:
-            acc, new_opt_state = _scanned_steps(spec, grads, opt_state, base0, xc, windows, sq_norm, channel_axes)
-        params = jax.vmap(retention.map)(acc) if retention.has_map else acc
+            acc, updates, new_opt_state = _scanned_steps(spec, grads, opt_state, base0, xc, windows, sq_norm,
+                                                         channel_axes)
+        if not retention.has_map:
+            params = acc
+        elif retention.map_at == "token":
+            params = jax.vmap(retention.map)(acc)
+        else:   # linear inside the chunk from θ₀, the map at its end (the last real step onwards)
+            linear = _retention_recurrence(spec, params0, updates, xc, channel_axes)
+            after = jnp.concatenate([xc.active[1:], jnp.zeros((1,), xc.active.dtype)])
+            chunk_end = after == 0
+            mapped = jax.vmap(retention.map)(acc)
+            params = jax.tree.map(lambda m, w: jnp.where(chunk_end.reshape((-1,) + (1,) * (m.ndim - 1)), m, w),
+                                  mapped, linear)
         outputs = jax.vmap(memory.apply)(params, xc.queries)
 
         last_params, last_acc = jax.tree.map(lambda x: x[-1], (params, acc))

@@ -17,12 +17,14 @@ class Steps(NamedTuple):
     inputs: jax.Array            # φ(k)            [S, d_in]
     targets: jax.Array           # v               [S, d_out]
     queries: jax.Array           # φ(scale·q)      [S, d_in]
-    step_size: jax.Array | None  # β               [S]
-    log_decay: jax.Array | None  # g               [S] or [S, d_in] (0 where no decay acts)
-    momentum_decay: jax.Array | None  # ν          [S]
-    gates: jax.Array             # γ (Omega gate)  [S]
-    delta: jax.Array | None      # objective knob  [S]
+    step_size: jax.Array | None  # β               [S] or [S, d] (channel-wise)
+    log_decay: jax.Array | None  # g               [S] or [S, d] (0 where no decay acts)
+    momentum_decay: jax.Array | None  # ν          [S] or [S, d]
+    gates: jax.Array             # γ_i, the step's own Omega weight (1 with per-position γ)  [S]
+    delta: jax.Array | None      # objective knob  [S, d_out] (a scalar knob broadcast over channels)
     active: jax.Array            # 1 for real steps, 0 for padding  [S]
+    window_gates: jax.Array | None = None   # γ^{(t)}: step t's weight of each window position,
+                                            # oldest first  [S, c]; None = all ones
 
 
 class WindowCache(NamedTuple):
@@ -30,8 +32,8 @@ class WindowCache(NamedTuple):
 
     inputs: jax.Array    # [c-1, d_in]
     targets: jax.Array   # [c-1, d_out]
-    weights: jax.Array   # [c-1]  γ of each cached step, 0 for empty slots
-    delta: jax.Array     # [c-1]
+    weights: jax.Array   # [c-1]  γ_i of each cached step (1 with per-position γ), 0 for empty slots
+    delta: jax.Array     # [c-1, d_out]
 
 
 class MemoryState(NamedTuple):
@@ -52,7 +54,7 @@ class MemoryState(NamedTuple):
 def window_gradient(memory, objective, params, inputs, targets, weights, delta):
     """∇_θ Σ_i w_i ℓ(M_θ(x_i), y_i) through one VJP of the memory (inputs [n, d_in])."""
     preds, pullback = jax.vjp(lambda p: memory.apply(p, inputs), params)
-    knob = None if delta is None else delta[:, None]
+    knob = delta   # [n, d_out]
     cotangent = weights[:, None] * objective.output_grad(preds, targets, knob)
     (grads,) = pullback(cotangent.astype(preds.dtype))
     return grads
@@ -63,6 +65,7 @@ def optimizer_extra_args(steps: Steps, inputs, targets, weights, sq_norm, scalar
 
     ``steps`` holds one step's knobs or a chunk's (then every value has a leading step axis);
     ``scalar_decay`` says whether the log-decay is a scalar per step (least squares reads α_t).
+    Channel-wise β / ν stay vectors here; ``channel_extra_args`` turns one step's into trees.
     """
     extra = {"input_sq_norm": sq_norm, "inputs": inputs, "targets": targets, "weights": weights}
     if steps.step_size is not None:
@@ -72,6 +75,27 @@ def optimizer_extra_args(steps: Steps, inputs, targets, weights, sq_norm, scalar
     if steps.log_decay is not None and scalar_decay:
         extra["decay"] = jnp.exp(steps.log_decay)
     return extra
+
+
+def channel_tree(vector: jax.Array, like, channel_axes: dict, lead: int = 0):
+    """A [*lead, d] channel vector as a tree shaped to broadcast against ``like``'s leaves, each
+    along its channel axis (leaves of ``like`` carry ``lead`` leading axes of their own)."""
+    def one(key, leaf):
+        shape = [1] * leaf.ndim
+        shape[:lead] = vector.shape[:lead]
+        shape[lead + channel_axes[key]] = vector.shape[-1]
+        return jnp.reshape(vector, shape)
+    return {key: one(key, leaf) for key, leaf in like.items()}
+
+
+def channel_extra_args(extra: dict, params, channel_axes) -> dict:
+    """One step's extra args with channel-wise β_t / ν_t ([d] vectors) as per-leaf trees, the
+    form the optimizers' ``scale_tree`` takes."""
+    out = dict(extra)
+    for key in ("step_size", "momentum_decay"):
+        if key in out and jnp.ndim(out[key]) == 1:
+            out[key] = channel_tree(out[key], params, channel_axes)
+    return out
 
 
 def tree_add(a, b):

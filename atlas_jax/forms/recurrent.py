@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, optimizer_extra_args, tree_add,
-                                    window_gradient)
+from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, channel_extra_args, optimizer_extra_args,
+                                    tree_add, window_gradient)
 from atlas_jax.retention import decay_tree
 
 __all__ = ["recurrent_sequence", "inner_step"]
@@ -29,19 +29,21 @@ def inner_step(spec, state: MemoryState, x: Steps):
     memory, objective, retention = spec.memory, spec.objective, spec.retention
     opt = optax.with_extra_args_support(spec.optimizer)
     params, opt_state, acc, win = state
+    channel_axes = memory.channel_axes(params)
 
     if win is not None:
         inputs = jnp.concatenate([win.inputs, x.inputs[None]])
         targets = jnp.concatenate([win.targets, x.targets[None]])
-        weights = jnp.concatenate([win.weights, x.gates[None]])
+        own = jnp.concatenate([win.weights, x.gates[None]])
         delta = None if x.delta is None else jnp.concatenate([win.delta, x.delta[None]])
     else:
-        inputs, targets, weights = x.inputs[None], x.targets[None], x.gates[None]
+        inputs, targets, own = x.inputs[None], x.targets[None], x.gates[None]
         delta = None if x.delta is None else x.delta[None]
+    weights = own if x.window_gates is None else own * x.window_gates
 
     base = acc if retention.has_map else params
     if x.log_decay is not None and retention.decay != "none":
-        base = decay_tree(base, jnp.exp(x.log_decay), retention.decay, memory.channel_axes(params))
+        base = decay_tree(base, jnp.exp(x.log_decay), retention.decay, channel_axes)
     # Forget-then-write takes the gradient at the decayed point; decoupled decay at θ_{t−1}.
     if retention.decoupled or retention.decay == "none":
         point = params
@@ -52,14 +54,14 @@ def inner_step(spec, state: MemoryState, x: Steps):
     sq_norm = jnp.sum(weights * jnp.sum(jnp.square(inputs), axis=-1))
     extra = optimizer_extra_args(x, inputs, targets, weights, sq_norm,
                                  scalar_decay=x.log_decay is not None and x.log_decay.ndim == 0)
-    updates, new_opt_state = opt.update(grads, opt_state, point, **extra)
+    updates, new_opt_state = opt.update(grads, opt_state, point, **channel_extra_args(extra, params, channel_axes))
 
     new_acc = tree_add(base, updates)
     new_params = retention.map(new_acc) if retention.has_map else new_acc
 
     if win is not None:
         delta_cache = win.delta if x.delta is None else delta[1:]
-        new_win = WindowCache(inputs[1:], targets[1:], weights[1:], delta_cache)
+        new_win = WindowCache(inputs[1:], targets[1:], own[1:], delta_cache)
     else:
         new_win = None
     new_state = MemoryState(new_params, new_opt_state, new_acc if retention.has_map else None, new_win)
