@@ -19,17 +19,12 @@ import pytest
 from atlas_jax.kernels.delta_family.support import L2NORM_EPS
 from atlas_jax.kernels.delta_family.tpu import BlockSizes, chunk_delta_family_tpu
 from atlas_jax.ops.delta_family import chunk_delta_family, recurrent_delta_family
+from helpers import rel
 
 B, T, H, K, V = 2, 37, 2, 16, 24          # T odd: not a multiple of the chunk
 SMALL = BlockSizes(chunk_size=16, sub_chunk=8)
 SCALE = 0.3
 F32_TOL, BF16_TOL = 1e-5, 1e-2
-
-
-def rel(a, b):
-    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def make(seed, *, gate, strength="normal", b=B, t=T, h=H, k_dim=K, v_dim=V, n_states=None):

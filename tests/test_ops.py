@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from atlas_jax import ops
+from helpers import random_inputs, rel
 
 B, T, H = 2, 77, 2  # T odd: never a multiple of the chunk size
 SPLIT = 30             # two-piece test: first piece length, not a multiple of any chunk size
@@ -62,11 +63,6 @@ def reference(q, k, v, beta, g, s0, *, delta, scale, n_h=None):
             S = S + bt[..., None, None] * kt[..., :, None] * err[..., None, :]
         o[:, t] = np.einsum("bhkv,bhk->bhv", S, scale * q[:, t])
     return o, S
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # Each case: (name, op, gate kind, delta, n_h)
@@ -282,19 +278,10 @@ def test_validation_delta_product():
 
 
 def _pallas_inputs(seed, gate, B=1, T=37, H=2, K=16, V=32):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(ks[0], (B, T, H, K))
-    k = jax.random.normal(ks[1], (B, T, H, K))
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(ks[2], (B, T, H, V))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    g = None
-    if gate == "scalar":
-        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)))
-    elif gate == "channel":
-        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H, K)))
-    s0 = jax.random.normal(ks[5], (B, H, K, V))
-    return q, k, v, beta, g, s0
+    """helpers.random_inputs (g None without a gate) and an initial state from the same seed."""
+    q, k, v, beta, g = random_inputs(seed, B, T, H, K, V, channel=gate == "channel")
+    s0 = jax.random.normal(jax.random.split(jax.random.PRNGKey(seed), 6)[5], (B, H, K, V))
+    return q, k, v, beta, None if gate is None else g, s0
 
 
 @pytest.mark.parametrize("op", ["delta_rule", "gated_delta_rule", "kda"])
@@ -364,3 +351,30 @@ def test_qk_l2norm_in_kernel_equals_normalising_first(impl):
     unit = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
     o_ref, _ = ops.kda(unit(q), unit(k), v, g, beta, impl="recurrent")
     assert rel(o, o_ref) < 1e-5
+
+
+# ---- run_delta_family: the one validated entry behind the five ops
+
+
+def test_run_delta_family_is_the_entry_of_the_ops():
+    q, k, v, beta, g, s0 = _pallas_inputs(17, "scalar")
+    assert ops.IMPLS == ("recurrent", "chunk", "pallas", "auto")
+    for delta, op, args in ((True, ops.gated_delta_rule, (q, k, v, g, beta)),
+                            (False, ops.linear_attention, (q, k, v, g, beta))):
+        o, s = ops.run_delta_family(q, k, v, beta, g, delta=delta, initial_state=s0,
+                                    output_final_state=True, impl="chunk", chunk_size=16)
+        o_ref, s_ref = op(*args, initial_state=s0, output_final_state=True, impl="recurrent")
+        assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    with pytest.raises(NotImplementedError, match=r"run_delta_family: impl='pallas'.*delta write"):
+        ops.run_delta_family(q, k, v, beta, g, delta=False, impl="pallas", chunk_size=16)
+    with pytest.raises(ValueError, match=r"run_delta_family: argument `cu_seqlens` must be "
+                                         r"non-decreasing offsets from 0 to T = 37"):
+        ops.run_delta_family(q, k, v, beta, g, cu_seqlens=np.array([0, 5, 30]))
+
+
+def test_importing_the_ops_imports_no_pallas():
+    import subprocess
+    import sys
+    code = ("import sys, atlas_jax.ops; "
+            "sys.exit(any(m.startswith('jax.experimental.pallas') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
