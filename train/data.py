@@ -27,6 +27,7 @@ from .config import ConfigError, DataConfig
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer, train_or_byte
 
 BUILTIN_CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+NPY_PIECES = 20     # a .npy stream without an end-of-document id is cut into this many documents
 _EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl",
                ".parquet": "parquet", ".npy": "npy"}
 
@@ -105,7 +106,8 @@ def _read_npy(path: Path, cfg: DataConfig) -> list[np.ndarray]:
         _data_error(f"{path} must hold a 1-D integer array of token ids, got {ids.dtype} {ids.shape}")
     ids = np.asarray(ids, dtype=np.int32)
     if cfg.npy_eos_id < 0:
-        return [ids]
+        # No document boundaries: equal pieces, so the held-out split can take whole pieces.
+        return [piece for piece in np.array_split(ids, NPY_PIECES) if piece.size]
     ends = np.flatnonzero(ids == cfg.npy_eos_id) + 1
     return [doc for doc in np.split(ids, ends) if doc.size]
 
