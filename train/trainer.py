@@ -28,7 +28,7 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .checkpoint import Checkpointer, abstract_like
 from .config import ConfigError, DistributedConfig, TrainConfig
@@ -156,7 +156,7 @@ class Trainer:
         def micro_batches(x):
             # row r*k + j goes to micro-batch j: each micro-batch keeps rows from every batch shard
             x = x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, P(None, ("data", "fsdp")))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, ("data", "fsdp"))))
 
         def accumulate(carry, micro):
             loss_sum, count, grads = carry
@@ -176,7 +176,7 @@ class Trainer:
         count = jnp.maximum(count, 1.0)
         loss = loss_sum / count
         grads = jax.tree.map(lambda g: g / count, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree_utils.tree_l2_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
