@@ -1,4 +1,4 @@
-"""Every memory recurrence of DESIGN.md §2 as a named preset: one value per axis.
+"""Every memory recurrence of the design space as a named preset: one value per axis.
 
     spec = atlas_jax.presets.get("atlas", window=8, degree=2)      # a MemorySpec
     spec.axes()                                                    # the four axes, readable back

@@ -1,9 +1,15 @@
 """MemorySpec: one point of the four-axis design space, runnable in the recurrent or chunked form.
 
     spec = MemorySpec(memory=MLPMemory(residual=True), feature_map=Polynomial(2), objective=L2(),
-                      window=4, optimizer=muon(ns_steps=5), retention=scalar())
-    o, state = spec(q, k, v, beta=beta, g=g, gamma=gamma, initial_state=state0,
-                    output_final_state=True, form="chunked", chunk_size=16)
+                      window=4, optimizer=muon(ns_steps=5), retention=scalar(), impl="chunk", chunk_size=16)
+    o, state = spec(q, k, v, beta=beta, g=g, gamma=gamma, initial_state=state0, output_final_state=True)
+
+``impl`` (a field, overridable per call) picks the form, with the words of ``atlas_jax.ops``:
+  "recurrent"  the lax.scan recurrence: exact for every point of the space (the ground truth);
+  "chunk"      the chunked form: exact (WY) for the delta / linear-attention family, the papers'
+               chunk-start-gradient scheme for everything else (equal to "recurrent" at chunk 1);
+  "pallas"     the Pallas kernels (the delta family today; interpret mode on CPU);
+  "auto"       "pallas" on GPU/TPU where a kernel covers the call, else "chunk".
 
 Layout [B, T, H, D] as in flash-linear-attention. Per-token knobs, all [B, T, H] unless noted:
   beta   β_t step size (default: the optimizer's own); [B, T, H, n] with n inner steps per token;
@@ -24,6 +30,7 @@ step: k [B, T, H, n, K], v [B, T, H, n, V] (DeltaProduct); otherwise each step r
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -41,9 +48,10 @@ from atlas_jax.memory import LinearMemory, MemoryArch
 from atlas_jax.objectives import L2, Objective
 from atlas_jax.retention import Retention, none
 
-__all__ = ["MemorySpec", "MemoryState", "WindowCache", "FORMS"]
+__all__ = ["MemorySpec", "MemoryState", "WindowCache", "IMPLS"]
 
-FORMS = ("recurrent", "chunked")
+IMPLS = ("recurrent", "chunk", "pallas", "auto")   # the same words as atlas_jax.ops.IMPLS
+_FORM_ALIASES = {"recurrent": "recurrent", "chunked": "chunk"}   # the 0.1.0 ``form=`` argument
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ class MemorySpec:
     optimizer: Any = field(default_factory=inner_opt.gd)
     retention: Retention = field(default_factory=none)
     name: str = "custom"
+    impl: str = "recurrent"   # the exact recurrence by default, as in 0.1.0; models pick "auto"
+    chunk_size: int = 64
 
     def __post_init__(self):
         checks = [("memory", self.memory, MemoryArch), ("feature_map", self.feature_map, FeatureMap),
@@ -80,6 +90,7 @@ class MemorySpec:
                              "combined; pick one")
         if self.opt_kind == "least_squares" and not isinstance(self.memory, LinearMemory):
             raise ValueError("MemorySpec: the least_squares optimizer needs a LinearMemory")
+        _check_impl("MemorySpec", self.impl, self.chunk_size)
 
     # ---- what the spec is ------------------------------------------------------------------
     @property
@@ -152,20 +163,37 @@ class MemorySpec:
 
     # ---- running -------------------------------------------------------------------------
     def __call__(self, q, k, v, *, beta=None, g=None, nu=None, gamma=None, delta=None,
-                 initial_state=None, output_final_state: bool = False, form: str = "recurrent",
-                 chunk_size: int = 64, feature_params=None, scale: float = 1.0):
-        """Run the memory over a sequence: returns (o [B, T, H, V], final MemoryState or None)."""
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        if form == "chunked" and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+                 initial_state=None, output_final_state: bool = False, impl: str | None = None,
+                 chunk_size: int | None = None, feature_params=None, scale: float = 1.0, form: str | None = None):
+        """Run the memory over a sequence: returns (o [B, T, H, V], final MemoryState or None).
+
+        ``impl`` / ``chunk_size`` override the spec's fields for this call; ``form`` is the 0.1.0
+        name ("recurrent" | "chunked"), deprecated in favour of ``impl``.
+        """
+        if form is not None:
+            if impl is not None:
+                raise ValueError("MemorySpec: pass impl only (form is its deprecated 0.1.0 name)")
+            if form not in _FORM_ALIASES:
+                raise ValueError(f"MemorySpec: form must be one of {tuple(_FORM_ALIASES)} (deprecated; use "
+                                 f"impl, one of {IMPLS}), got {form!r}")
+            warnings.warn("MemorySpec(form=...) is deprecated: use impl='recurrent' | 'chunk' | 'pallas' | 'auto'",
+                          DeprecationWarning, stacklevel=2)
+            impl = _FORM_ALIASES[form]
+        impl = self.impl if impl is None else impl
+        chunk_size = self.chunk_size if chunk_size is None else chunk_size
+        _check_impl("MemorySpec call", impl, chunk_size)
+        if impl == "pallas" and not self.chunked_is_exact:
+            raise NotImplementedError(f"MemorySpec: impl='pallas' has no kernel for {self.name!r} "
+                                      f"({self.memory.describe()}, {self.objective.describe()}, window {self.window}, "
+                                      f"{inner_opt.describe(self.optimizer)}); the kernels cover the exact delta "
+                                      "family. Use impl='chunk' or 'auto'")
         shapes = _check_inputs(self, q, k, v, beta, g, nu, gamma, delta)
         batch, _, heads, d_k, d_v, n = shapes
         state = self._coerce_state(initial_state, batch, heads, d_k, d_v)
         if feature_params is None:
             feature_params = self.feature_map.init_params()
         o, final = _run(self, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
-                        form=form, chunk_size=chunk_size, steps=n)
+                        impl=impl, chunk_size=chunk_size, steps=n)
         return o.astype(v.dtype), (final if output_final_state else None)
 
     def _coerce_state(self, initial_state, batch, heads, d_k, d_v) -> MemoryState:
@@ -283,8 +311,15 @@ def _check_inputs(spec, q, k, v, beta, g, nu, gamma, delta):
 
 
 # ---- the run ---------------------------------------------------------------------------------
-@partial(jax.jit, static_argnames=("spec", "form", "chunk_size", "steps"))
-def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, form, chunk_size, steps):
+def _check_impl(where, impl, chunk_size):
+    if impl not in IMPLS:
+        raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"{where}: chunk_size must be a positive int (tokens per chunk, e.g. 64), got {chunk_size!r}")
+
+
+@partial(jax.jit, static_argnames=("spec", "impl", "chunk_size", "steps"))
+def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, impl, chunk_size, steps):
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     q, k, v, beta, g, nu, gamma, delta = map(f32, (q, k, v, beta, g, nu, gamma, delta))
     batch, time, heads, _ = q.shape
@@ -326,15 +361,18 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
 
     # A channel-wise β is outside the WY (delta-rule) family: the chunk-start form runs it.
     channel_beta = beta_steps is not None and beta_steps.ndim == 4
-    if form == "chunked" and is_exact(spec) and not channel_beta:
-        o, params = exact_chunked(spec, state.params, steps_bsh, chunk_size=chunk_size)
+    if impl == "pallas" and channel_beta:
+        raise NotImplementedError("MemorySpec: impl='pallas': the delta-family kernels take a [B, T, H] beta; a "
+                                  "channel-wise beta runs with impl='chunk' (the chunk-start form) or 'recurrent'")
+    if impl != "recurrent" and is_exact(spec) and not channel_beta:
+        o, params = exact_chunked(spec, state.params, steps_bsh, chunk_size=chunk_size, impl=impl)
         final = MemoryState(params, state.opt_state, None, None)
         return o[:, emit], final
 
     # Per-sequence, per-head forms: [B, H, S, ...] and vmap twice.
     bhs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), steps_bsh)
     total = time * n
-    if form == "recurrent":
+    if impl == "recurrent":
         run_one = lambda st, xs: recurrent_sequence(spec, st, xs)
         padded = bhs
     else:
@@ -342,7 +380,7 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
         run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size)
     final, o = jax.vmap(jax.vmap(run_one))(state, padded)
-    if form == "chunked" and spec.window > 1:
+    if impl != "recurrent" and spec.window > 1:
         final = final._replace(window=_last_window(state.window, bhs, spec.window))
     o = jnp.moveaxis(o[:, :, :total], 1, 2)  # [B, S, H, V]
     return o[:, emit], final

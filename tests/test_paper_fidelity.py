@@ -150,7 +150,7 @@ def test_titans_momentum_has_the_step_inside_as_the_paper_writes_it():
              "nu": _knob(3, (B, T, H), 0.2, 0.95)}
     state = spec.init_state(jax.random.PRNGKey(4), batch=B, heads=H, d_k=D, d_v=D)
     o_ref, s_ref = _reference_all(spec, state, q, k, v, knobs)
-    for form in ({"form": "recurrent"}, {"form": "chunked", "chunk_size": 1}):
+    for form in ({"impl": "recurrent"}, {"impl": "chunk", "chunk_size": 1}):
         o, s = _run(spec, state, q, k, v, knobs, **form)
         assert rel(o, o_ref) < 1e-5, form
         for key in s_ref:
@@ -175,7 +175,7 @@ def test_titans_gradients_through_every_knob_match_the_float64_loop():
         return jnp.sum(o * co)
 
     grads = {}
-    for name, form in (("recurrent", {"form": "recurrent"}), ("chunk1", {"form": "chunked", "chunk_size": 1})):
+    for name, form in (("recurrent", {"impl": "recurrent"}), ("chunk1", {"impl": "chunk", "chunk_size": 1})):
         grads[name] = jax.grad(loss_library, argnums=(0, 1, 2, 3))(q, k, v, knobs, form)
     for a, b in zip(jax.tree.leaves(grads["recurrent"]), jax.tree.leaves(grads["chunk1"])):
         assert rel(a, b) < 1e-5
@@ -222,13 +222,13 @@ def test_per_position_window_gates_match_the_loop_in_both_forms():
     knobs = {"beta": _knob(13, (B, T, H), 0.05, 0.5), "g": jnp.log(_knob(14, (B, T, H), 0.8, 0.99))}
     state = spec.init_state(jax.random.PRNGKey(15), batch=B, heads=H, d_k=dk, d_v=spec.feature_dim(dk))
     o_ref, s_ref = _reference_all(spec, state, q, k, v, {**knobs, "window_gates": gates})
-    for form in ({"form": "recurrent"}, {"form": "chunked", "chunk_size": 1}):
+    for form in ({"impl": "recurrent"}, {"impl": "chunk", "chunk_size": 1}):
         o, s = _run(spec, state, q, k, v, {**knobs, "gamma": gates}, **form)
         assert rel(o, o_ref) < 1e-5, form
         assert all(rel(s[key], s_ref[key]) < 1e-5 for key in s_ref), form
 
 
-@pytest.mark.parametrize("form", [{"form": "recurrent"}, {"form": "chunked", "chunk_size": 4}])
+@pytest.mark.parametrize("form", [{"impl": "recurrent"}, {"impl": "chunk", "chunk_size": 4}])
 def test_token_gates_are_the_broadcast_case_of_per_position_gates(form):
     c, dk = 4, 3
     spec = _omeganet(c)
@@ -270,7 +270,7 @@ def test_channel_wise_knobs_match_the_loop_in_both_forms(case):
     state = spec.init_state(jax.random.PRNGKey(26), batch=B, heads=H, d_k=D, d_v=D)
     o_ref, s_ref = _reference_all(spec, state, q, k, v, knobs)
     results = [_run(spec, state, q, k, v, knobs, **form)
-               for form in ({"form": "recurrent"}, {"form": "chunked", "chunk_size": 1})]
+               for form in ({"impl": "recurrent"}, {"impl": "chunk", "chunk_size": 1})]
     for o, s in results:
         assert rel(o, o_ref) < 1e-5
         assert all(rel(s[key], s_ref[key]) < 1e-4 for key in s_ref)
@@ -286,15 +286,15 @@ def test_channel_knobs_constant_over_channels_equal_the_scalar_knobs():
               "delta": _knob(30, (B, T, H), 0.05, 1.0), "g": jnp.log(_knob(31, (B, T, H), 0.7, 0.99))}
     wide = {name: (x if name == "g" else jnp.broadcast_to(x[..., None], x.shape + (D,))) for name, x in scalar.items()}
     state = spec.init_state(jax.random.PRNGKey(32), batch=B, heads=H, d_k=D, d_v=D)
-    for form in ({"form": "recurrent"}, {"form": "chunked", "chunk_size": 4}):
+    for form in ({"impl": "recurrent"}, {"impl": "chunk", "chunk_size": 4}):
         o_s, s_s = _run(spec, state, q, k, v, scalar, **form)
         o_w, s_w = _run(spec, state, q, k, v, wide, **form)
         assert rel(o_w, o_s) < 1e-6 and all(rel(s_w[key], s_s[key]) < 1e-6 for key in s_s), form
     # and a channel-wise retention that is constant over channels is the scalar one
     chan = dataclasses.replace(spec, retention=ret.channel(decoupled=True))
     g_wide = jnp.broadcast_to(scalar["g"][..., None], (B, T, H, D))
-    o_c, _ = _run(chan, state, q, k, v, {**wide, "g": g_wide}, form="chunked", chunk_size=4)
-    o_s, _ = _run(spec, state, q, k, v, scalar, form="chunked", chunk_size=4)
+    o_c, _ = _run(chan, state, q, k, v, {**wide, "g": g_wide}, impl="chunk", chunk_size=4)
+    o_s, _ = _run(spec, state, q, k, v, scalar, impl="chunk", chunk_size=4)
     assert rel(o_c, o_s) < 1e-6
 
 
@@ -326,16 +326,16 @@ def test_chunk_end_schedule_matches_the_miras_loop(name, chunk):
     knobs = {"beta": _knob(41, (B, T, H), 0.05, 0.3), "g": jnp.log(_knob(42, (B, T, H), 0.8, 0.99))}
     state = spec.init_state(jax.random.PRNGKey(43), batch=B, heads=H, d_k=D, d_v=D)
     o_ref, s_ref = _reference_all(spec, state, q, k, v, knobs, chunk=chunk)
-    o, final = spec(q, k, v, **knobs, initial_state=state, output_final_state=True, form="chunked",
+    o, final = spec(q, k, v, **knobs, initial_state=state, output_final_state=True, impl="chunk",
                     chunk_size=chunk)
     assert rel(o, o_ref) < 1e-5
     assert all(rel(final.params[key], s_ref[key]) < 1e-5 for key in s_ref)
     # the per-token map is the other schedule, and at chunk size 1 they coincide
     per_token = dataclasses.replace(spec, retention=dataclasses.replace(spec.retention, map_at="token"))
-    o_tok, _ = per_token(q, k, v, **knobs, initial_state=state, form="chunked", chunk_size=chunk)
+    o_tok, _ = per_token(q, k, v, **knobs, initial_state=state, impl="chunk", chunk_size=chunk)
     assert rel(o_tok, o_ref) > 1e-4
-    o1, _ = spec(q, k, v, **knobs, initial_state=state, form="chunked", chunk_size=1)
-    o_rec, _ = spec(q, k, v, **knobs, initial_state=state, form="recurrent")
+    o1, _ = spec(q, k, v, **knobs, initial_state=state, impl="chunk", chunk_size=1)
+    o_rec, _ = spec(q, k, v, **knobs, initial_state=state, impl="recurrent")
     assert rel(o1, o_rec) < 1e-5
 
 

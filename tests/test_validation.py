@@ -1,6 +1,8 @@
 """Bad input gets a clear error naming the argument and the fix."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -22,7 +24,7 @@ def test_mismatched_shapes_name_the_argument(inputs):
         spec(q, k[:, :5], v, beta=beta, g=g)
     with pytest.raises(ValueError, match=r"^v must be"):
         spec(q, k, v[:, :5], beta=beta, g=g)
-    with pytest.raises(ValueError, match=r"^beta must be \[B, T, H\]"):
+    with pytest.raises(ValueError, match=r"^beta must be one of \(1, 9, 2\) or \(1, 9, 2, 4\) \(\[B, T, H\]"):
         spec(q, k, v, beta=beta[..., None, None], g=g)
     with pytest.raises(ValueError, match=r"^q must be \[B, T, H, K\]"):
         spec(q[0], k, v, beta=beta, g=g)
@@ -34,7 +36,7 @@ def test_wrong_gate_rank_for_the_retention(inputs):
     q, k, v, beta, g = inputs
     with pytest.raises(ValueError, match=r"^g for scalar retention must be \[B, T, H\].*retention channel"):
         presets.get("gated_deltanet")(q, k, v, beta=beta, g=jnp.ones((1, 9, 2, 4)))
-    with pytest.raises(ValueError, match=r"^g for channel retention must be \[B, T, H, d_φ\]"):
+    with pytest.raises(ValueError, match=r"^g for channel retention must be \[B, T, H, d\]"):
         presets.get("kda")(q, k, v, beta=beta, g=g)
     with pytest.raises(ValueError, match=r"^g: the scalar retention needs per-token log-decays"):
         presets.get("gated_deltanet")(q, k, v, beta=beta)
@@ -50,14 +52,25 @@ def test_non_floating_dtypes_raise_type_error(inputs):
         presets.get("deltanet")(q, k, v, beta=(beta > 0.5))
 
 
-def test_chunk_size_and_form_and_window(inputs):
+def test_chunk_size_and_impl_and_window(inputs):
     q, k, v, beta, g = inputs
     spec = presets.get("deltanet")
     for bad in (0, -4, 2.5):
-        with pytest.raises(ValueError, match=r"^chunk_size must be a positive int"):
-            spec(q, k, v, beta=beta, form="chunked", chunk_size=bad)
-    with pytest.raises(ValueError, match=r"^form must be one of"):
+        with pytest.raises(ValueError, match=r"^MemorySpec call: chunk_size must be a positive int"):
+            spec(q, k, v, beta=beta, impl="chunk", chunk_size=bad)
+        with pytest.raises(ValueError, match=r"^MemorySpec: chunk_size must be a positive int"):
+            dataclasses.replace(spec, chunk_size=bad)
+    with pytest.raises(ValueError, match=r"^MemorySpec call: impl must be one of \('recurrent', 'chunk', 'pallas', 'auto'\)"):
+        spec(q, k, v, beta=beta, impl="parallel")
+    with pytest.raises(ValueError, match=r"^MemorySpec: form must be one of"):
         spec(q, k, v, beta=beta, form="parallel")
+    with pytest.warns(DeprecationWarning, match="use impl="):
+        spec(q, k, v, beta=beta, form="chunked")
+    with pytest.raises(NotImplementedError, match=r"impl='pallas' has no kernel for 'titans'"):
+        titans = presets.get("titans", hidden=4)
+        titans(q, k, v, initial_state=titans.init_state(jax.random.PRNGKey(0), batch=q.shape[0],
+                                                          heads=q.shape[2], d_k=q.shape[3], d_v=v.shape[3]),
+               impl="pallas")
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=r"^MemorySpec: window must be an int >= 1"):
             aj.MemorySpec(window=bad)
@@ -69,7 +82,7 @@ def test_knobs_the_spec_does_not_use(inputs):
         presets.get("deltanet")(q, k, v, beta=beta, delta=beta)
     with pytest.raises(ValueError, match=r"^nu: the GD optimizer has no momentum"):
         presets.get("deltanet")(q, k, v, beta=beta, nu=beta)
-    with pytest.raises(ValueError, match=r"^nu must be \[B, T, H\]"):
+    with pytest.raises(ValueError, match=r"^nu must be one of \(1, 9, 2\)"):
         presets.get("titans")(q, k, v, beta=beta, g=g, nu=beta[:, :3])
 
 
@@ -84,8 +97,8 @@ def test_spec_construction_errors():
         aj.MemorySpec(optimizer="adam")
     with pytest.raises(TypeError, match=r"^MemorySpec: memory must be a MemoryArch"):
         aj.MemorySpec(memory="mlp")
-    with pytest.raises(ValueError, match=r"^MemorySpec: channel retention .* use retention scalar"):
-        aj.MemorySpec(memory=memory.MLPMemory(), retention=retention.channel())
+    with pytest.raises(ValueError, match=r"^MemorySpec: channel retention decays each channel.*use retention scalar"):
+        aj.MemorySpec(memory=memory.MLPMemory(depth=3), retention=retention.channel())
     with pytest.raises(ValueError, match=r"^MLPMemory: depth must be an int >= 2"):
         memory.MLPMemory(depth=1)
     with pytest.raises(ValueError, match=r"^MLPMemory: unknown activation 'swish'"):
@@ -140,3 +153,17 @@ def test_initial_params_are_broadcast_by_shape_not_by_guess(inputs):
         spec(q, k, v, beta=beta, initial_state={"S": jnp.ones((2, 5, 3))})
     with pytest.raises(ValueError, match=r"^initial_state: params must have the keys \['S'\]"):
         spec(q, k, v, beta=beta, initial_state={"W": S})
+
+
+@pytest.mark.parametrize("impl", ["recurrent", "chunk", "pallas"])
+def test_memory_spec_impl_reaches_that_form(impl):
+    """impl on the spec (and per call) picks the form: a scan over the tokens, the chunked XLA form,
+    or the Pallas kernels (interpret mode here) — read off the traced program."""
+    q, k, v, beta, g = random_inputs(0, B=1, T=32, H=1, K=16, V=16)
+    spec = dataclasses.replace(presets.get("gated_deltanet"), impl=impl, chunk_size=16)
+    text = str(jax.make_jaxpr(lambda q, k, v, beta, g: spec(q, k, v, beta=beta, g=g)[0])(q, k, v, beta, g))
+    assert ("pallas_call" in text) == (impl == "pallas")
+    assert ("length=32" in text) == (impl == "recurrent")   # the recurrence scans T steps
+    per_call = str(jax.make_jaxpr(lambda q, k, v, beta, g: presets.get("gated_deltanet")(
+        q, k, v, beta=beta, g=g, impl=impl, chunk_size=16)[0])(q, k, v, beta, g))
+    assert ("pallas_call" in per_call) == (impl == "pallas")

@@ -19,6 +19,8 @@ the same chunk-start gradients (least squares ignores gradients, so its chunked 
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -49,26 +51,23 @@ def is_exact(spec) -> bool:
             and forget_then_write)
 
 
-def exact_chunked(spec, params, steps: Steps, *, chunk_size: int):
+def exact_chunked(spec, params, steps: Steps, *, chunk_size: int, impl: str = "auto"):
     """Exact chunked form over [B, S, H, ·] steps; ``params`` = {"S": [B, H, d_in, d_out]}.
 
-    Runs on the ops' dispatcher: the Pallas kernels on GPU/TPU when they cover the call, the
-    exact XLA chunk form otherwise (always on CPU).
+    Runs through ``atlas_jax.ops.run_delta_family`` with ``impl`` "chunk" (the exact XLA form),
+    "pallas" (the kernels) or "auto" (the kernels on GPU/TPU when they cover the call).
     """
-    from atlas_jax.ops.delta_family.api import _resolve_impl, _run
+    from atlas_jax.ops import run_delta_family
 
     opt_info = inner_opt.info(spec.optimizer)
     beta = steps.step_size if steps.step_size is not None else jnp.full(steps.gates.shape, opt_info.step_size)
     beta = beta * steps.gates
     if opt_info.kind == "implicit_gd":
         beta = beta / (1.0 + beta * jnp.sum(jnp.square(steps.inputs), axis=-1))
-    delta = isinstance(spec.objective, L2)
-    impl = _resolve_impl("MemorySpec", "auto", delta=delta, q=steps.queries, v=steps.targets,
-                         chunk_size=chunk_size)
-    o, final = _run(impl, steps.queries, steps.inputs, steps.targets, beta,
-                    steps.log_decay if spec.retention.decay != "none" else None,
-                    delta=delta, scale=1.0, initial_state=params["S"], output_final_state=True,
-                    chunk_size=chunk_size)
+    o, final = run_delta_family(steps.queries, steps.inputs, steps.targets, beta,
+                                steps.log_decay if spec.retention.decay != "none" else None,
+                                delta=isinstance(spec.objective, L2), scale=1.0, initial_state=params["S"],
+                                output_final_state=True, impl=impl, chunk_size=chunk_size)
     return o, {"S": final}
 
 
@@ -141,7 +140,8 @@ def _parallel_updates(opt_info, grads, opt_state, steps: Steps, sq_norm, channel
         updates = _times(active, m, channel_axes)   # padding writes nothing
     else:                      # m_t = ν_t m_{t−1} + ∇, updates = −β_t [NS](m_t)
         m = _linear_recurrence(log_nu, grads, opt_state.momentum, channel_axes)
-        direction = _orthogonalize_batched(m, opt_info) if opt_info.kind == "muon" else m
+        per_token_ns = opt_info.kind == "muon" and opt_info.ns_every == "token"
+        direction = _orthogonalize_batched(m, opt_info) if per_token_ns else m
         updates = _times(beta, jax.tree.map(jnp.negative, direction), channel_axes)
     return updates, inner_opt.MomentumState(jax.tree.map(lambda x: x[-1], m))
 
@@ -200,9 +200,65 @@ def _gradient_points(spec, params0, acc0, steps: Steps, channel_axes):
     return jax.vmap(retention.map)(decayed) if in_map else decayed
 
 
+def _last_real_step(active):
+    """True from a chunk's last real step on (where chunk-end maps and per-chunk NS act)."""
+    after = jnp.concatenate([active[1:], jnp.zeros((1,), active.dtype)])
+    return after == 0
+
+
+def _chunk_end_orthogonalized(spec, opt_info, base0, acc, momentum, steps: Steps):
+    """Muon with ``ns_every="chunk"``: the chunk-end accumulator P_b A₀ − (Σ_i (P_b/P_i) β_i)·NS(m_b)
+    in place of the plain-momentum one, from the last real step on (see ``optimizers.muon``)."""
+    active = steps.active
+    beta = steps.step_size if steps.step_size is not None else jnp.full(active.shape, opt_info.step_size)
+    beta = beta * active
+    if spec.retention.decay == "none" or steps.log_decay is None:
+        total_step, from_start = jnp.sum(beta), jnp.asarray(1.0, jnp.float32)
+    else:
+        g = jnp.where(active > 0, steps.log_decay, 0.0)
+        total_step = decay_matrix(g)[-1] @ beta
+        from_start = jnp.exp(jnp.sum(g))
+    direction = inner_opt.orthogonalize_tree(momentum, opt_info.ns_steps, opt_info.ns_coefficients, opt_info.ns_eps)
+    end = jax.tree.map(lambda a0, n: from_start * a0 - total_step * n, base0, direction)
+    at_end = _last_real_step(active)
+    return jax.tree.map(lambda e, a: jnp.where(at_end.reshape((-1,) + (1,) * e.ndim), e[None], a), end, acc)
+
+
+# The dual form (forms/dual.py) runs every spec it covers; False routes everything through the
+# materialising form below, the reference the dual form is tested against (``materialising``).
+_USE_DUAL_FORM = True
+
+
+@contextlib.contextmanager
+def materialising():
+    """Run the chunk-start form by materialising every step's θ (the reference of the dual form).
+
+    Whether the dual form runs is decided at trace time, so jit caches are cleared on entry and exit."""
+    global _USE_DUAL_FORM
+    previous, _USE_DUAL_FORM = _USE_DUAL_FORM, False
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _USE_DUAL_FORM = previous
+        jax.clear_caches()
+
+
 def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int):
     """Chunk-start-gradient form for one sequence and head; steps already padded to a multiple
-    of ``chunk_size``. Returns (final state, outputs [S, d_out])."""
+    of ``chunk_size``. Returns (final state, outputs [S, d_out]).
+
+    Specs the dual form covers (``dual.covers``) run in O(T·d) memory through it; the others
+    materialise every step's θ inside a chunk, one chunk at a time (rematerialised in the
+    backward pass, so memory is O(chunk·|θ|) plus the chunk boundaries)."""
+    from atlas_jax.forms import dual
+
+    if _USE_DUAL_FORM and dual.covers(spec, state, steps):
+        return dual.dual_sequence(spec, state, steps, chunk_size=chunk_size)
+    return _materialising_sequence(spec, state, steps, chunk_size=chunk_size)
+
+
+def _materialising_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int):
     memory, objective, retention = spec.memory, spec.objective, spec.retention
     opt_info = inner_opt.info(spec.optimizer)
     c, b = spec.window, chunk_size
@@ -238,14 +294,15 @@ def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int)
         else:
             acc, updates, new_opt_state = _scanned_steps(spec, grads, opt_state, base0, xc, windows, sq_norm,
                                                          channel_axes)
+        if opt_info.kind == "muon" and opt_info.ns_every == "chunk":
+            acc = _chunk_end_orthogonalized(spec, opt_info, base0, acc, new_opt_state.momentum, xc)
         if not retention.has_map:
             params = acc
         elif retention.map_at == "token":
             params = jax.vmap(retention.map)(acc)
         else:   # linear inside the chunk from θ₀, the map at its end (the last real step onwards)
             linear = _retention_recurrence(spec, params0, updates, xc, channel_axes)
-            after = jnp.concatenate([xc.active[1:], jnp.zeros((1,), xc.active.dtype)])
-            chunk_end = after == 0
+            chunk_end = _last_real_step(xc.active)
             mapped = jax.vmap(retention.map)(acc)
             params = jax.tree.map(lambda m, w: jnp.where(chunk_end.reshape((-1,) + (1,) * (m.ndim - 1)), m, w),
                                   mapped, linear)
@@ -260,5 +317,6 @@ def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int)
         new_state = MemoryState(last_params, new_opt_state, last_acc if retention.has_map else None, new_win)
         return new_state, outputs
 
-    final, outputs = jax.lax.scan(one_chunk, state, chunks)
+    # Rematerialised per chunk: the backward pass keeps only the chunk-boundary states.
+    final, outputs = jax.lax.scan(jax.checkpoint(one_chunk), state, chunks)
     return final, outputs.reshape((n_chunks * b,) + outputs.shape[2:])

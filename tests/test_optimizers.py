@@ -1,0 +1,72 @@
+"""Axis 3, inner optimizers: each optax transform against its closed form or hand computation."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from atlas_jax import presets
+from atlas_jax import optimizers as opt
+from helpers import numpy_delta_family, random_inputs, rel
+
+T = 77   # odd, and not a multiple of any chunk size used
+
+
+def test_momentum_with_the_step_outside_and_decay_recurrence():
+    """m_t = ν_t m_{t−1} + ∇ℓ(θ_{t−1}),  θ_t = α_t θ_{t−1} − β_t m_t  (seed 000 §3's Adam-style form,
+    ``momentum(step_inside=False)``), by hand. The titans preset's own form, the step inside the
+    momentum, is tested in test_paper_fidelity.py."""
+    B, Tn, H, K, V = 1, 19, 2, 6, 6
+    q, k, v, beta, g = random_inputs(5, B=B, T=Tn, H=H, K=K, V=V)
+    nu = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(6), beta.shape))
+    spec = dataclasses.replace(presets.get("titans", hidden=12), optimizer=opt.momentum(1.0, 0.9))
+    state0 = spec.init_state(jax.random.PRNGKey(7), batch=B, heads=H, d_k=K, d_v=V)
+    o, final = spec(q, k, v, beta=0.5 * beta, g=g, nu=nu, initial_state=state0, output_final_state=True)
+    memory = spec.memory
+    loss = lambda p, x, y: 0.5 * jnp.sum((memory.apply(p, x) - y) ** 2)
+    for h in range(H):
+        theta = jax.tree.map(lambda x: x[0, h], state0.params)
+        m = jax.tree.map(jnp.zeros_like, theta)
+        for t in range(Tn):
+            grad = jax.grad(loss)(theta, k[0, t, h], v[0, t, h])
+            m = jax.tree.map(lambda mm, gg: nu[0, t, h] * mm + gg, m, grad)
+            theta = jax.tree.map(lambda th, mm: jnp.exp(g[0, t, h]) * th - 0.5 * beta[0, t, h] * mm, theta, m)
+            assert rel(o[0, t, h], memory.apply(theta, q[0, t, h])) < 1e-5
+        assert rel(final.params["W0"][0, h], theta["W0"]) < 1e-5
+
+
+def test_newton_schulz_approaches_the_polar_factor():
+    m = jax.random.normal(jax.random.PRNGKey(0), (12, 7))
+    u, _, vt = np.linalg.svd(np.asarray(m, np.float64), full_matrices=False)
+    polar = u @ vt
+    errors = [rel(opt.newton_schulz(m, j, opt.CUBIC_COEFFICIENTS), polar) for j in (1, 2, 4, 8, 16, 32)]
+    # strictly decreasing until float32 rounding (~2e-7) is reached
+    assert all(b < a or max(a, b) < 1e-6 for a, b in zip(errors, errors[1:])), errors
+    assert errors[0] > 0.3 and errors[-1] < 1e-6, errors
+    # Muon's quintic trades convergence for speed: after 5 steps every singular value is ≈ 1.
+    s = np.linalg.svd(np.asarray(opt.newton_schulz(m, 5), np.float64), compute_uv=False)
+    assert s.min() > 0.5 and s.max() < 1.3
+    # tall and wide give transposed results
+    assert rel(opt.newton_schulz(m.T, 20, opt.CUBIC_COEFFICIENTS), polar.T) < 1e-3
+
+
+def test_implicit_gd_is_longhorn_closed_form():
+    """Longhorn: S_t = S_{t−1} + β/(1+β‖k‖²) k (v − S_{t−1}ᵀk)ᵀ, unnormalised keys."""
+    q, k, v, beta, g = random_inputs(8, T=T)
+    k = 1.7 * k
+    o, _ = presets.get("longhorn")(q, k, v, beta=beta)
+    eff = beta / (1 + beta * jnp.sum(k * k, -1))
+    assert rel(o, numpy_delta_family(q, k, v, eff)[0]) < 1e-5
+
+
+def test_least_squares_is_the_mesa_solution():
+    """MesaNet: θ_t = (Σ k kᵀ + λI)^{-1} Σ k vᵀ (no gates) equals the per-step solve."""
+    q, k, v, beta, g = random_inputs(9, B=1, T=23, H=1, K=5, V=4)
+    o, state = presets.get("mesanet", ridge=0.5)(q, k, v, output_final_state=True)
+    kn, vn, qn = (np.asarray(x[0, :, 0], np.float64) for x in (k, v, q))
+    for t in (0, 7, 22):
+        S = np.linalg.solve(kn[:t + 1].T @ kn[:t + 1] + 0.5 * np.eye(5), kn[:t + 1].T @ vn[:t + 1])
+        assert rel(o[0, t, 0], S.T @ qn[t]) < 1e-5
+
