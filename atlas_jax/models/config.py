@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atlas_jax.config import load_yaml, repo_root
+from atlas_jax.config import load_yaml
+
+try:        # the shipped configs, also from an installed (non-editable) package
+    from atlas_jax.config import config_dir as _config_dir
+except ImportError:   # older atlas_jax.config
+    from atlas_jax.config import repo_root
+
+    def _config_dir() -> Path:
+        return repo_root() / "configs"
 
 __all__ = ["ModelConfig", "KINDS", "IMPLS", "REMAT_POLICIES", "SIZES", "size_values", "model_values",
            "sizes_dir", "models_dir"]
@@ -29,11 +37,11 @@ SIZES = ("tiny", "170m", "340m", "760m", "1.3b")
 
 
 def sizes_dir() -> Path:
-    return repo_root() / "configs" / "sizes"
+    return _config_dir() / "sizes"
 
 
 def models_dir() -> Path:
-    return repo_root() / "configs" / "models"
+    return _config_dir() / "models"
 
 
 def _positive_int(name, value, *, allow_zero=False):
@@ -75,6 +83,7 @@ class ModelConfig:
     gate_rank: int = 16                  # low-rank projection of channel-wise gates
     memory_init: str = "shared"          # learnable θ_0 of deep memories: per_head | shared | fixed
     max_documents: int = 8               # packed rows: at most this many documents per row
+    step_size_max: float | None = None   # β = step_size_max·sigmoid(·); None: 1 (linear), 0.1 (deep)
     # numerics and compilation
     dtype: str = "float32"               # compute dtype (bfloat16 for training on accelerators)
     param_dtype: str = "float32"
@@ -112,6 +121,8 @@ class ModelConfig:
         if self.kind == "mac" and self.mac_segment > self.context_length:
             raise ValueError(f"model config: mac_segment={self.mac_segment} is larger than "
                              f"context_length={self.context_length}; allowed: 1..{self.context_length}")
+        if self.step_size_max is not None and not (isinstance(self.step_size_max, (int, float)) and self.step_size_max > 0):
+            raise ValueError(f"model config: step_size_max must be a float > 0 or null, got {self.step_size_max!r}")
         if not isinstance(self.preset_options, tuple):
             raise ValueError("model config: preset_options must be a tuple of (key, value) pairs "
                              "(build() converts a dict)")

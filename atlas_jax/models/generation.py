@@ -69,14 +69,14 @@ def decode_step_fn(graphdef):
     return step
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p"))
-def _generate_cached(graphdef, state, prompt, key, *, max_new_tokens, temperature, top_k, top_p):
-    model = nnx.merge(graphdef, state)
+@partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p"))
+def _generate_cached(model, prompt, key, *, max_new_tokens, temperature, top_k, top_p):
     time = prompt.shape[1]
     logits, cache = model.prefill(prompt, time + max_new_tokens)
     keys = jax.random.split(key, max_new_tokens)
     sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     first = sample(logits[:, -1], keys[0])
+    graphdef, state = nnx.split(model)
 
     def body(carry, step_key):
         # nnx refuses variables of an outer trace inside this scan: the parameters ride in the carry.
@@ -89,9 +89,9 @@ def _generate_cached(graphdef, state, prompt, key, *, max_new_tokens, temperatur
     return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p"))
-def _reforward_step(graphdef, state, buffer, pos, key, *, temperature, top_k, top_p):
-    logits = nnx.merge(graphdef, state)(buffer)
+@partial(nnx.jit, static_argnames=("temperature", "top_k", "top_p"))
+def _reforward_step(model, buffer, pos, key, *, temperature, top_k, top_p):
+    logits = model(buffer)
     last = jax.lax.dynamic_index_in_dim(logits, pos - 1, axis=1, keepdims=False)
     token = sample_logits(last, key, temperature=temperature, top_k=top_k, top_p=top_p)
     return jax.lax.dynamic_update_slice_in_dim(buffer, token[:, None], pos, axis=1)
@@ -114,14 +114,13 @@ def generate(model, prompt_tokens, max_new_tokens: int, *, temperature: float = 
         if temperature != 0:
             raise ValueError("rng: sampling at temperature > 0 needs a PRNG key (jax.random.PRNGKey(seed))")
         rng = jax.random.PRNGKey(0)
-    graphdef, state = nnx.split(model)
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p))
     if model.can_decode:
-        out = _generate_cached(graphdef, state, prompt, rng, max_new_tokens=max_new_tokens, **sampling)
+        out = _generate_cached(model, prompt, rng, max_new_tokens=max_new_tokens, **sampling)
     else:
         time = prompt.shape[1]
         buffer = jnp.pad(prompt, ((0, 0), (0, max_new_tokens)))
         for i, key in enumerate(jax.random.split(rng, max_new_tokens)):
-            buffer = _reforward_step(graphdef, state, buffer, jnp.int32(time + i), key, **sampling)
+            buffer = _reforward_step(model, buffer, jnp.int32(time + i), key, **sampling)
         out = buffer[:, time:]
     return out[0] if single else out

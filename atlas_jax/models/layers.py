@@ -240,10 +240,11 @@ class MemoryLayer(nnx.Module):
 
     def __init__(self, spec, *, width: int, heads: int, impl: str = "auto", chunk_size: int = 64,
                  conv_size: int = 4, gate_rank: int = 16, memory_init: str = "shared", max_documents: int = 8,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+                 step_size_max: float | None = None, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         self.spec, self.impl, self.chunk_size, self.max_documents = spec, impl, chunk_size, max_documents
         self.heads, self.head_dim, self.dtype = heads, width // heads, dtype
         closed = isinstance(spec, ClosedForm)
+        linear_memory = closed or isinstance(spec.memory, LinearMemory)
         self.steps = 1 if closed else spec.steps
         d, n = self.head_dim, self.steps
         linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -252,10 +253,14 @@ class MemoryLayer(nnx.Module):
         self.out_norm = nnx.RMSNorm(d, epsilon=1e-6, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
         self.out_gate, self.o_proj = linear(width, heads * d), linear(heads * d, width)
         # Deep memories read M(φ(q)) with the keys' scale; a linear read only rescales the output.
-        linear_memory = closed or isinstance(spec.memory, LinearMemory)
         self.scale = d ** -0.5 if linear_memory else 1.0
 
         self.beta_proj = linear(width, heads * n, bias=True) if _uses_beta(spec) else None
+        # β = step_size_max · sigmoid(·). A deep memory's curvature in its weights is ~‖hidden‖², not
+        # ‖k‖² = 1, and momentum multiplies the step by ~1/(1 − ν): β up to 1 diverges there.
+        if step_size_max is None:
+            step_size_max = 1.0 if linear_memory else 0.1
+        self.step_size_max = float(step_size_max)
         decay, a_proj, g_down, g_up = None, None, None, None
         if not closed and (spec.retention.needs_gate or spec.opt_kind == "least_squares"):
             decay = "channel" if spec.retention.decay == "channel" else "scalar"
@@ -330,7 +335,7 @@ class MemoryLayer(nnx.Module):
         h, f32 = self.heads, lambda y: y.astype(jnp.float32)
         knobs = {}
         if self.beta_proj is not None:
-            beta = jax.nn.sigmoid(f32(self.beta_proj(x))).reshape(batch, time, h, self.steps)
+            beta = self.step_size_max * jax.nn.sigmoid(f32(self.beta_proj(x))).reshape(batch, time, h, self.steps)
             knobs["beta"] = beta if self.steps > 1 else beta[..., 0]
         if self.decay is not None:
             a = f32(self.a_proj(x)) if self.decay == "scalar" else f32(self.g_up(self.g_down(x)))
