@@ -55,6 +55,17 @@ class MemoryArch:
     def channel_axes(self, params: dict):
         return None
 
+    def apply_linear(self, x: jax.Array, matmul) -> jax.Array:
+        """M_θ(x) with every weight product x @ θ[key] delegated to ``matmul(key, x)``.
+
+        ``apply(params, x)`` is ``apply_linear(x, lambda key, h: h @ params[key])``. The chunked
+        dual form (forms/dual.py) passes its own product, the one with θ_t = P_t θ₀ + c_t m₀ −
+        Σ_i M[t, i] a_i δ_iᵀ for the batch's row t, so it needs only the memory's structure
+        (activations, LayerNorm, residual) around its linear maps. Memories whose every leaf of θ
+        is such a weight implement it; the others raise NotImplementedError.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not expose its linear layers")
+
     def channel_dim(self, params: dict) -> int | None:
         """The size d of the channel axis (None when channel-wise knobs do not apply)."""
         axes = self.channel_axes(params)
@@ -77,6 +88,9 @@ class LinearMemory(MemoryArch):
 
     def apply(self, params, x):
         return x @ params["S"].astype(x.dtype)
+
+    def apply_linear(self, x, matmul):
+        return matmul("S", x)
 
     def channel_axes(self, params):
         return {"S": 0}
@@ -145,6 +159,20 @@ class MLPMemory(MemoryArch):
             y = y + (x @ params["skip"].astype(x.dtype) if "skip" in params else x)
         return y
 
+    def apply_linear(self, x, matmul):
+        # The same computation as ``apply``; whether a skip map exists is told by the input and
+        # output widths (``init`` adds one exactly when d_in != d_out).
+        act = ACTIVATIONS[self.activation]
+        h = x
+        for i in range(self.depth - 1):
+            h = act(matmul(f"W{i}", h))
+        y = matmul(f"W{self.depth - 1}", h)
+        if self.layernorm:
+            y = _layer_norm(y)
+        if self.residual:
+            y = y + (matmul("skip", x) if y.shape[-1] != x.shape[-1] else x)
+        return y
+
     def channel_axes(self, params):
         # A depth-2 memory that reads and writes the same d channels: channel j owns row j of
         # W0 (how input channel j feeds the hidden layer) and column j of W1 (how the hidden layer
@@ -193,6 +221,14 @@ class GatedMLPMemory(MemoryArch):
         y = (gate * (x @ params["Wu"].astype(x.dtype))) @ params["Wd"].astype(x.dtype)
         if self.residual:
             y = y + (x @ params["skip"].astype(x.dtype) if "skip" in params else x)
+        return y
+
+    def apply_linear(self, x, matmul):
+        act = ACTIVATIONS[self.activation]
+        gate = act(matmul("Wg", x))
+        y = matmul("Wd", gate * matmul("Wu", x))
+        if self.residual:
+            y = y + (matmul("skip", x) if y.shape[-1] != x.shape[-1] else x)
         return y
 
     def channel_axes(self, params):

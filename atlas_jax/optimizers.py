@@ -47,6 +47,7 @@ class OptimizerInfo(NamedTuple):
     ridge: float | None = None
     steps: int = 1                 # inner steps per token (DeltaProduct-style multi-step GD)
     step_inside: bool = False      # momentum: β_t scales the gradient before it enters m (Titans)
+    ns_every: str = "token"        # muon: Newton–Schulz on every m_t ("token") or at chunk ends ("chunk")
 
 
 class MomentumState(NamedTuple):
@@ -71,7 +72,7 @@ def info(opt) -> OptimizerInfo:
 def describe(opt) -> str:
     i = info(opt)
     if i.kind == "muon":
-        text = f"GD + momentum + Newton–Schulz (J={i.ns_steps})"
+        text = f"GD + momentum + Newton–Schulz (J={i.ns_steps}{', per chunk' if i.ns_every == 'chunk' else ''})"
     elif i.kind == "least_squares":
         text = f"exact least squares over all past (ridge λ={i.ridge:g}, gated statistics)"
     else:
@@ -222,14 +223,36 @@ def orthogonalize_tree(tree, steps, coefficients, eps):
     return jax.tree.map(lambda m: newton_schulz(m, steps, coefficients, eps) if m.ndim == 2 else m, tree)
 
 
+NS_SCHEDULES = ("token", "chunk")
+
+
 def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
-         coefficients="muon", eps: float = 1e-7) -> optax.GradientTransformationExtraArgs:
+         coefficients="muon", eps: float = 1e-7, ns_every: str = "token") -> optax.GradientTransformationExtraArgs:
     """ATLAS (eq. 32–33): S_t = θ_t S_{t−1} + ∇ℓ, M_t = α_t M_{t−1} − η_t NewtonSchulz_J(S_t),
     i.e. m_t = ν_t m_{t−1} + ∇, updates = −β_t NS_J(m_t): the step multiplies after the momentum
-    (the convention of ``momentum(step_inside=False)``)."""
+    (the convention of ``momentum(step_inside=False)``).
+
+    ``ns_every`` says where the chunked form (``impl="chunk"``) orthogonalises; the recurrent form
+    and this transform's own ``update`` always do it per token (the two coincide at chunk size 1):
+
+    * ``"token"`` (ATLAS as written): NS_J on every m_t. It has no low-rank form, so the chunked
+      form materialises every step's θ_t inside a chunk (memory O(chunk·|θ|), rematerialised per
+      chunk in the backward pass).
+    * ``"chunk"``: inside a chunk of b steps with chunk-start gradients, the momentum runs as
+      usual, m_t = ν_t m_{t−1} + g_t, and the reads of steps 1..b−1 use the plain momentum updates,
+      θ_t = P_t θ₀ − Σ_{i≤t} (P_t/P_i) β_i m_i (P_t = Π_{j≤t} α_j, retention's decay). At the chunk's
+      last step the chunk's steps are taken along the orthogonalised chunk-end momentum instead:
+          θ_b = P_b θ₀ − (Σ_{i≤b} (P_b/P_i) β_i) · NS_J(m_b),
+      which is the state carried into the next chunk and the one the last step reads (with b = 1
+      this is exactly the per-token update). The momentum state carried is m_b (never
+      orthogonalised). Every read inside the chunk is then linear in the chunk's gradients, which
+      is what the O(T·d) dual form (forms/dual.py) needs.
+    """
     _positive("muon: step_size", step_size)
     if not isinstance(ns_steps, int) or ns_steps < 0:
         raise ValueError(f"muon: ns_steps must be an int >= 0, got {ns_steps!r}")
+    if ns_every not in NS_SCHEDULES:
+        raise ValueError(f"muon: ns_every must be one of {NS_SCHEDULES}, got {ns_every!r}")
     coeffs = _coefficients(coefficients)
     init, trace = _momentum_pieces(momentum_decay)
     default_beta, default_nu = step_size, momentum_decay
@@ -242,7 +265,8 @@ def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
         return scale_tree(beta, jax.tree.map(jnp.negative, direction)), MomentumState(m)
 
     return _tag(init, update, OptimizerInfo(kind="muon", step_size=step_size, momentum_decay=momentum_decay,
-                                            ns_steps=ns_steps, ns_coefficients=coeffs, ns_eps=eps))
+                                            ns_steps=ns_steps, ns_coefficients=coeffs, ns_eps=eps,
+                                            ns_every=ns_every))
 
 
 def least_squares(ridge: float = 1.0) -> optax.GradientTransformationExtraArgs:

@@ -1,0 +1,249 @@
+"""The dual form of the chunk-start scheme: O(T·d) memory for MLP (and linear) memories.
+
+The chunked form takes every gradient of a chunk at the chunk's starting θ₀ (Titans §3.2, TTT's
+mini-batch GD, ATLAS §3.3, MIRAS §5). For a memory made of linear maps x ↦ x W joined by
+activations, LayerNorm and residuals (``memory.apply_linear``), the gradient of one token's loss
+with respect to a weight W is the outer product a δᵀ, a the layer's input and δ the cotangent of its
+output, both evaluated at θ₀. Decay, momentum and the Omega window are scalar linear recurrences
+over the chunk's steps, so every step's state is
+
+    θ_t[W] = P_t W₀ + c_t m₀[W] + Σ_s M[t, s] a_s δ_sᵀ
+
+with s over the chunk's gradient sources (the b + c − 1 tokens of the extended window when the
+gradient point is θ₀; the b·c (step, window position) pairs when it is θ₀ decayed to the step,
+forget-first retention P_t θ₀), M a [b, n_sources] coefficient matrix (products of the masked decay
+matrices, the step sizes, the momentum and the window weights), P_t the retention's decay from the
+chunk start and c_t the carried momentum's coefficient. A read never forms θ_t: layer by layer,
+
+    x θ_t[W] = P_t (x W₀) + c_t (x m₀[W]) + (M ⊙ (x Aᵀ)) D          A = [a_s], D = [δ_s]
+
+(a Gram matrix [b, n_sources] times the δ's), then the memory's activation, LayerNorm and residual.
+The chunk-end θ (and momentum) is one matmul per weight. Nothing of size [b, |θ|] exists; the
+backward pass is JAX's autodiff with two levels of rematerialisation (each chunk, and each group of
+chunks), so what it keeps is O(T·d) activations plus one state per group of chunks.
+
+Covered: memories with ``apply_linear`` whose θ is exactly those weights (LinearMemory, MLPMemory,
+GatedMLPMemory); GD, implicit GD, momentum (both conventions) and Muon with ``ns_every="chunk"``;
+every objective (``objective.output_grad`` is per token); the Omega window with per-token or
+per-position gates; no or scalar decay, decoupled or forget-first; retention maps applied at chunk
+ends (``map_at="chunk_end"``). Not covered (the materialising form runs them): channel-wise knobs,
+channel decay, per-token Newton–Schulz, other optax transforms, least squares, per-token maps.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from atlas_jax import optimizers as inner_opt
+from atlas_jax.forms.common import MemoryState, Steps, WindowCache, decay_matrix, safe_log
+
+__all__ = ["covers", "dual_sequence", "state_bytes", "GROUP_TOKENS"]
+
+# Tokens per rematerialisation group: the backward pass keeps one state per group (plus, while
+# it runs through a group, one per chunk of that group).
+GROUP_TOKENS = 1024
+
+
+def _memory_has_linear_layers(memory, params, d_in) -> bool:
+    """Whether the memory exposes ``apply_linear`` and θ is exactly the weights it multiplies by."""
+    used = set()
+
+    def run(weights, x):
+        def matmul(key, h):
+            used.add(key)
+            return h @ weights[key]
+        return memory.apply_linear(x, matmul)
+
+    shapes = {key: jax.ShapeDtypeStruct(jnp.shape(w), jnp.float32) for key, w in params.items()}
+    try:
+        jax.eval_shape(run, shapes, jax.ShapeDtypeStruct((1, d_in), jnp.float32))
+    except (NotImplementedError, KeyError):
+        return False
+    return used == set(params)
+
+
+def covers(spec, state: MemoryState, steps: Steps) -> bool:
+    """Whether the dual form runs ``spec`` on these steps (one sequence and head)."""
+    opt_info = inner_opt.info(spec.optimizer)
+    retention = spec.retention
+    if opt_info.kind not in ("gd", "implicit_gd", "momentum", "muon"):
+        return False
+    if opt_info.kind == "muon" and opt_info.ns_every != "chunk":
+        return False
+    if retention.decay == "channel" or (retention.has_map and retention.map_at != "chunk_end"):
+        return False
+    knobs = (steps.step_size, steps.momentum_decay, steps.log_decay)
+    if any(k is not None and k.ndim != 1 for k in knobs):   # channel-wise [S, d] knobs
+        return False
+    if not isinstance(state.params, dict) or any(jnp.ndim(w) != 2 for w in state.params.values()):
+        return False
+    return _memory_has_linear_layers(spec.memory, state.params, steps.inputs.shape[-1])
+
+
+def _chunk_index(chunk_size, window):
+    return jnp.arange(chunk_size)[:, None] + jnp.arange(window)[None, :]
+
+
+def _one_chunk(spec, opt_info, carry: MemoryState, xc: Steps):
+    """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out])."""
+    memory, objective, retention = spec.memory, spec.objective, spec.retention
+    c, b = spec.window, xc.active.shape[0]
+    params0, opt_state, acc0, win = carry
+    active = xc.active
+
+    # The Omega window over the chunk extended by the previous c − 1 steps (as the materialising form).
+    gates = xc.gates * active
+    ext = {"inputs": xc.inputs, "targets": xc.targets, "weights": gates, "delta": xc.delta}
+    if win is not None:
+        ext = {"inputs": jnp.concatenate([win.inputs, xc.inputs]),
+               "targets": jnp.concatenate([win.targets, xc.targets]),
+               "weights": jnp.concatenate([win.weights, gates]),
+               "delta": None if xc.delta is None else jnp.concatenate([win.delta, xc.delta])}
+    window_index = _chunk_index(b, c)
+    weights = ext["weights"][window_index] * active[:, None]   # [b, c]; padding takes no gradient
+    if xc.window_gates is not None:
+        weights = weights * xc.window_gates
+
+    decays = retention.decay != "none" and xc.log_decay is not None
+    log_decay = jnp.where(active > 0, xc.log_decay, 0.0) if decays else jnp.zeros((b,), jnp.float32)
+    from_start = jnp.exp(jnp.cumsum(log_decay))      # P_t
+    within = decay_matrix(log_decay)                 # P_t / P_i for i ≤ t, 0 above
+
+    # Gradient sources and G[t, s], the weight of source s in step t's gradient.
+    decayed_point = decays and not retention.decoupled
+    if decayed_point:   # forget-first: step t's gradient at P_t θ₀, a forward pass per (t, window position)
+        pick = lambda x: None if x is None else x[window_index].reshape((b * c,) + x.shape[1:])
+        src_inputs, src_targets, src_delta = pick(ext["inputs"]), pick(ext["targets"]), pick(ext["delta"])
+        src_scale = jnp.repeat(from_start, c)
+        gradient_weights = (jnp.eye(b, dtype=jnp.float32)[:, :, None] * weights[None]).reshape(b, b * c)
+    else:               # every gradient at θ₀: one forward pass per token of the extended window
+        src_inputs, src_targets, src_delta = ext["inputs"], ext["targets"], ext["delta"]
+        src_scale = None
+        one_hot = jax.nn.one_hot(window_index, b + c - 1, dtype=jnp.float32)   # [b, c, b + c − 1]
+        gradient_weights = jnp.einsum("TC,TCS->TS", weights, one_hot)
+
+    def tapped(offsets):
+        layer_inputs = {}
+
+        def matmul(key, h):
+            layer_inputs[key] = h
+            y = h @ params0[key]
+            if src_scale is not None:
+                y = src_scale[:, None] * y
+            return y + offsets[key]
+
+        return memory.apply_linear(src_inputs, matmul), layer_inputs
+
+    n_sources = src_inputs.shape[0]
+    offsets = {key: jnp.zeros((n_sources, w.shape[1]), jnp.float32) for key, w in params0.items()}
+    preds, pullback, layer_inputs = jax.vjp(tapped, offsets, has_aux=True)
+    (cotangents,) = pullback(objective.output_grad(preds, src_targets, src_delta).astype(preds.dtype))
+
+    # Coefficients: u_t = Σ_s U[t, s] a_s δ_sᵀ + carry_u[t] m₀; the momentum m_t likewise.
+    beta = xc.step_size if xc.step_size is not None else jnp.full((b,), opt_info.step_size, jnp.float32)
+    beta = beta * active
+    momentum0, momentum_rows, momentum_carry, carry_u = None, None, None, None
+    if opt_info.kind == "gd":
+        update_rows = -beta[:, None] * gradient_weights
+    elif opt_info.kind == "implicit_gd":
+        sq_norm = jnp.sum(weights * jnp.sum(jnp.square(ext["inputs"][window_index]), axis=-1), axis=-1)
+        effective = beta / (1.0 + beta * sq_norm)
+        update_rows = -effective[:, None] * gradient_weights
+    else:
+        nu = xc.momentum_decay if xc.momentum_decay is not None else jnp.full((b,), opt_info.momentum_decay, jnp.float32)
+        log_nu = safe_log(jnp.where(active > 0, nu, 1.0))   # padding keeps m
+        momentum0 = opt_state.momentum
+        momentum_carry = jnp.exp(jnp.cumsum(log_nu))
+        if opt_info.step_inside:   # Titans: S_t = ν_t S_{t−1} − β_t ∇, updates = S_t
+            momentum_rows = -(decay_matrix(log_nu) @ (beta[:, None] * gradient_weights))
+            update_rows = active[:, None] * momentum_rows
+            carry_u = active * momentum_carry
+        else:                      # m_t = ν_t m_{t−1} + ∇, updates = −β_t m_t (Muon: NS at the chunk end)
+            momentum_rows = decay_matrix(log_nu) @ gradient_weights
+            update_rows = -beta[:, None] * momentum_rows
+            carry_u = -beta * momentum_carry
+    state_rows = within @ update_rows                          # M [b, n_sources]
+    state_carry = None if carry_u is None else within @ carry_u
+
+    def read(key, h):
+        y = from_start[:, None] * (h @ params0[key])
+        if state_carry is not None:
+            y = y + state_carry[:, None] * (h @ momentum0[key])
+        gram = h @ layer_inputs[key].T
+        return y + (state_rows * gram) @ cotangents[key]
+
+    outputs = memory.apply_linear(xc.queries, read)
+
+    def at_end(rows, carry_coefficient, start, start_factor):
+        """Σ_s rows[s] a_s δ_sᵀ + carry·m₀ + factor·start, one matmul per weight."""
+        out = {}
+        for key in params0:
+            value = layer_inputs[key].T @ (rows[:, None] * cotangents[key])
+            if start is not None:
+                value = value + start_factor * start[key]
+            if carry_coefficient is not None:
+                value = value + carry_coefficient * momentum0[key]
+            out[key] = value
+        return out
+
+    last = b - 1
+    base0 = acc0 if retention.has_map else params0
+    new_momentum = None
+    if momentum_rows is not None:
+        new_momentum = at_end(momentum_rows[last], momentum_carry[last], None, None)
+    if opt_info.kind == "muon":   # ns_every="chunk": the chunk's steps along NS of the chunk-end momentum
+        direction = inner_opt.orthogonalize_tree(new_momentum, opt_info.ns_steps, opt_info.ns_coefficients,
+                                                 opt_info.ns_eps)
+        total_step = within[last] @ beta
+        acc_end = jax.tree.map(lambda a0, n: from_start[last] * a0 - total_step * n, base0, direction)
+    else:
+        acc_end = at_end(state_rows[last], None if state_carry is None else state_carry[last], base0, from_start[last])
+    params_end = retention.map(acc_end) if retention.has_map else acc_end
+    if retention.has_map or opt_info.kind == "muon":
+        # The chunk-end state is not the linear one: from the last real step on, reads use it.
+        after = jnp.concatenate([active[1:], jnp.zeros((1,), active.dtype)])
+        outputs = jnp.where((after == 0)[:, None], memory.apply(params_end, xc.queries), outputs)
+
+    new_win = None
+    if win is not None:
+        keep = lambda x: x[-(c - 1):]
+        new_win = WindowCache(keep(ext["inputs"]), keep(ext["targets"]), keep(ext["weights"]),
+                              win.delta if ext["delta"] is None else keep(ext["delta"]))
+    new_opt_state = opt_state if new_momentum is None else inner_opt.MomentumState(new_momentum)
+    new_state = MemoryState(params_end, new_opt_state, acc_end if retention.has_map else None, new_win)
+    # Whole chunks of padding (added to fill the last rematerialisation group) leave the state alone.
+    any_real = jnp.any(active > 0)
+    new_state = jax.tree.map(lambda new, old: jnp.where(any_real, new, old), new_state, carry)
+    return new_state, outputs
+
+
+def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, group_tokens: int = GROUP_TOKENS):
+    """The dual form for one sequence and head (steps padded to a multiple of ``chunk_size``):
+    the same (final state, outputs [S, d_out]) as the materialising chunked form."""
+    opt_info = inner_opt.info(spec.optimizer)
+    b = chunk_size
+    total = steps.active.shape[0]
+    n_chunks = total // b
+    per_group = max(1, min(n_chunks, group_tokens // b))
+    n_groups = -(-n_chunks // per_group)
+    pad = n_groups * per_group * b - total
+    padded = jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
+    grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group, b) + x.shape[1:]), padded)
+
+    chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, carry, xc))
+    group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
+    final, outputs = jax.lax.scan(group, state, grouped)
+    return final, outputs.reshape((n_groups * per_group * b,) + outputs.shape[3:])[:total]
+
+
+def state_bytes(spec, *, d_k: int, d_v: int, heads: int = 1) -> dict:
+    """Bytes of one memory layer's state per sequence at ``heads`` heads of widths d_k / d_v:
+    θ, the inner optimizer's state, and the rest (retention accumulator, Omega-window cache).
+    (``atlas_jax.models.memory_state_size`` counts the same in floats for a model config.)"""
+    shapes = jax.eval_shape(lambda: spec.init_state(jax.random.PRNGKey(0), batch=1, heads=heads, d_k=d_k, d_v=d_v))
+    size = lambda tree: int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+    theta, optimizer = size(shapes.params), size(shapes.opt_state)
+    other = size(shapes.accumulator) + size(shapes.window)
+    return {"theta": theta, "optimizer": optimizer, "other": other, "total": theta + optimizer + other}
