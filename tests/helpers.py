@@ -37,7 +37,7 @@ def random_inputs(seed, B=2, T=77, H=2, K=16, V=12, *, channel=False, extreme=Fa
 
 
 def numpy_delta_family(q, k, v, beta, g=None, *, delta=True, scale=1.0, S0=None):
-    """The per-token semantics of DESIGN.md §4 as a float64 numpy loop (independent of JAX)."""
+    """The ops' per-token semantics (flash-linear-attention's) as a float64 numpy loop (independent of JAX)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -59,3 +59,26 @@ def numpy_delta_family(q, k, v, beta, g=None, *, delta=True, scale=1.0, S0=None)
                 o[b, t, h] = s.T @ (scale * q[b, t, h])
             S[b, h] = s
     return o, S
+
+
+def make_inputs(seed, *, gate, B=1, T=37, H=2, K=16, V=32, strength="normal", n_states=None):
+    """`random_inputs` for one gate kind, as the kernel tests take them: [q, k, v, beta, g, s0]
+    (g None for gate "none") and cotangent weights (wo [B, T, H, V], ws [n_states, H, K, V]).
+
+    gate: "none" | "scalar" [B, T, H] | "channel" [B, T, H, K]. strength: "normal"
+    (log-sigmoid), "extreme" (<= -5: a chunk's cumulative gate reaches -300 and beyond) or
+    "near0" (in (-1.1e-3, -1e-4): decays of ~1, nothing forgotten). n_states: rows of the
+    initial state (N packed sequences; default B). All float32, never zeros.
+    """
+    q, k, v, beta, g = random_inputs(seed, B, T, H, K, V, channel=gate == "channel",
+                                     extreme=strength == "extreme")
+    ks = jax.random.split(jax.random.PRNGKey(seed + 7919), 4)
+    if strength == "near0":
+        g = -1e-3 * (0.1 + jax.random.uniform(ks[0], g.shape))
+    elif strength not in ("normal", "extreme"):
+        raise ValueError(f"strength must be 'normal', 'extreme' or 'near0'; got {strength!r}")
+    n = n_states or B
+    s0 = jax.random.normal(ks[1], (n, H, K, V))
+    wo = jax.random.normal(ks[2], (B, T, H, V))
+    ws = jax.random.normal(ks[3], (n, H, K, V))
+    return [q, k, v, beta, None if gate == "none" else g, s0], (wo, ws)

@@ -19,7 +19,7 @@ from jax import export
 
 from atlas_jax.kernels.delta_family.gpu import GpuBlockSizes, chunk_delta_family_gpu
 from atlas_jax.ops.delta_family import recurrent_delta_family
-from helpers import rel
+from helpers import make_inputs, rel
 
 B, T, H = 1, 37, 2          # T odd: never a multiple of the chunk size
 SCALE = 0.7
@@ -27,27 +27,9 @@ GATES = ["none", "scalar", "channel"]
 
 
 def make(seed, *, gate, K=16, V=32, T_=T, B_=B, H_=H, strength="normal", n_states=None):
-    """Random inputs (never zeros): unit keys, sigmoid betas, log-sigmoid / extreme / tiny gates."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B_, T_, H_, K))
-    k = rng.standard_normal((B_, T_, H_, K))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B_, T_, H_, V))
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B_, T_, H_))))
-    gshape = {"none": None, "scalar": (B_, T_, H_), "channel": (B_, T_, H_, K)}[gate]
-    g = None
-    if gshape is not None:
-        if strength == "normal":
-            g = -np.logaddexp(0.0, -rng.standard_normal(gshape))
-        elif strength == "extreme":
-            g = -5.0 - 3.0 * rng.random(gshape)
-        else:                                   # near 0
-            g = -1e-3 * (0.1 + rng.random(gshape))
-    s0 = rng.standard_normal((n_states or B_, H_, K, V))
-    wo = rng.standard_normal((B_, T_, H_, V))
-    ws = rng.standard_normal((n_states or B_, H_, K, V))
-    f = lambda x: None if x is None else jnp.asarray(x, jnp.float32)   # noqa: E731
-    return [f(x) for x in (q, k, v, beta, g, s0)], (f(wo), f(ws))
+    """helpers.make_inputs: unit keys, sigmoid betas, log-sigmoid / extreme / near-0 gates."""
+    return make_inputs(seed, gate=gate, B=B_, T=T_, H=H_, K=K, V=V, strength=strength,
+                       n_states=n_states)
 
 
 def pallas(q, k, v, beta, g, s0, **kw):

@@ -19,7 +19,7 @@ import pytest
 from atlas_jax.kernels.delta_family.support import L2NORM_EPS
 from atlas_jax.kernels.delta_family.tpu import BlockSizes, chunk_delta_family_tpu
 from atlas_jax.ops.delta_family import chunk_delta_family, recurrent_delta_family
-from helpers import rel
+from helpers import make_inputs, rel
 
 B, T, H, K, V = 2, 37, 2, 16, 24          # T odd: not a multiple of the chunk
 SMALL = BlockSizes(chunk_size=16, sub_chunk=8)
@@ -28,22 +28,9 @@ F32_TOL, BF16_TOL = 1e-5, 1e-2
 
 
 def make(seed, *, gate, strength="normal", b=B, t=T, h=H, k_dim=K, v_dim=V, n_states=None):
-    """Random float32 inputs (never zeros): unit keys, sigmoid betas, log-decays <= 0."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, t, h, k_dim))
-    k = rng.standard_normal((b, t, h, k_dim))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((b, t, h, v_dim))
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))
-    gshape = {"none": None, "scalar": (b, t, h), "channel": (b, t, h, k_dim)}[gate]
-    g = None
-    if gshape is not None:
-        g = {"normal": lambda: -np.logaddexp(0.0, -rng.standard_normal(gshape)),
-             "extreme": lambda: -5.0 - 3.0 * rng.random(gshape),          # G ~ -100 per chunk
-             "near0": lambda: -1e-3 * (0.1 + rng.random(gshape))}[strength]()
-    s0 = rng.standard_normal((n_states or b, h, k_dim, v_dim))
-    f = lambda x: None if x is None else jnp.asarray(x, jnp.float32)      # noqa: E731
-    return [f(x) for x in (q, k, v, beta, g, s0)]
+    """helpers.make_inputs: float32, unit keys, sigmoid betas, log-decays <= 0."""
+    return make_inputs(seed, gate=gate, B=b, T=t, H=h, K=k_dim, V=v_dim, strength=strength,
+                       n_states=n_states)[0]
 
 
 def cotangents(seed, o_shape, s_shape, dtype):

@@ -35,6 +35,12 @@ or float32; every kernel runs for every gate unless the column says otherwise.
   K4d   channel_diag_bwd_kernel          _intra_backward        (Tp, H/bh, B)      channel gate (KDA)
   K4b   intra_bwd_channel_kernel         _intra_backward        (NT, B, H)         channel gate (KDA)
 
+The `pallas_call` names (what profilers and benchmarks/tune.py --per-kernel show): K1
+delta_intra_fwd, K1d delta_intra_diag, K1p delta_intra_pairs, K1a delta_intra_solve, K1b
+delta_intra_wu, K2 delta_state_fwd_lean (fused: delta_state_fwd), K2o delta_output, K3a
+delta_du_local, K3 delta_state_bwd_lean / delta_state_bwd, K4 delta_intra_bwd, K4d
+delta_intra_bwd_diag, K4b delta_intra_bwd_kda.
+
 What they compute (math in gpu_math.py): K1* the blocked inverse T = (I + diag(beta) A)^-1
 (16x16 diagonal blocks as Neumann products for bf16, by substitution for float32), W = T X and
 U0 = T Y (+ P for KDA, + the state passes' gated operands with split_intra); K2 the sequential
