@@ -37,7 +37,13 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax import optimizers as inner_opt
-from atlas_jax.forms.common import MemoryState, Steps, WindowCache, decay_matrix, safe_log
+from atlas_jax.forms.common import (
+    MemoryState,
+    Steps,
+    WindowCache,
+    decay_matrix,
+    safe_log,
+)
 
 __all__ = ["covers", "dual_sequence", "state_bytes", "GROUP_TOKENS"]
 
@@ -229,13 +235,14 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, gr
     per_group = max(1, min(n_chunks, group_tokens // b))
     n_groups = -(-n_chunks // per_group)
     pad = n_groups * per_group * b - total
-    padded = jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
+    padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
     grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group, b) + x.shape[1:]), padded)
 
     chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, carry, xc))
     group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
     final, outputs = jax.lax.scan(group, state, grouped)
-    return final, outputs.reshape((n_groups * per_group * b,) + outputs.shape[3:])[:total]
+    outputs = outputs.reshape((n_groups * per_group * b,) + outputs.shape[3:])
+    return final, outputs if pad == 0 else outputs[:total]
 
 
 def state_bytes(spec, *, d_k: int, d_v: int, heads: int = 1) -> dict:

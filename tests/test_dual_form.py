@@ -1,0 +1,265 @@
+"""The dual form of the chunk-start scheme (forms/dual.py) computes what the materialising chunked
+form computes — outputs, every part of the final state, gradients with respect to q, k, v, every
+per-token knob, the feature map's coefficients and the initial state — without a [chunk, |θ|] tensor,
+and its compiled forward+backward memory grows by at most 1 MiB per token at B1 H8 D128."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import rel, tree_rel
+
+from atlas_jax import optimizers as opt
+from atlas_jax import presets
+from atlas_jax import retention as ret
+from atlas_jax.features import Polynomial
+from atlas_jax.forms import chunked, dual
+
+
+def _spec(name):
+    """The presets at test sizes; ATLAS with Newton–Schulz per chunk (the variant the dual form runs).
+
+    ATLAS uses the convergent cubic NS here: Muon's quintic amplifies float32 rounding differences
+    between two orders of the same sums by up to ~30× (tests/test_forms.py measures it), which would
+    test the quintic's conditioning rather than the two forms' agreement."""
+    if name == "atlas":
+        return dataclasses.replace(presets.get("atlas", hidden=16),
+                                   optimizer=opt.muon(ns_every="chunk", coefficients="cubic"))
+    if name == "titans_outside":   # the other momentum convention: m_t = ν m + ∇, u = −β m
+        return dataclasses.replace(presets.get("titans", hidden=16), optimizer=opt.momentum(0.5, 0.9))
+    if name == "omeganet_forget_first":   # gradients at the decayed P_t θ₀, one pass per (step, window position)
+        return dataclasses.replace(presets.get("omeganet", hidden=16), retention=ret.scalar())
+    if name == "ttt_mlp_implicit":
+        return dataclasses.replace(presets.get("ttt_mlp", hidden=16), optimizer=opt.implicit_gd())
+    return presets.get(name, hidden=16)
+
+
+def _inputs(spec, seed, B, T, H, K, V, *, per_position_gates=False):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 10)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    knobs = {"beta": 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))}
+    if spec.retention.needs_gate:
+        knobs["g"] = jax.nn.log_sigmoid(2.0 + jax.random.normal(ks[4], (B, T, H)))
+    if spec.opt_kind in ("momentum", "muon"):
+        knobs["nu"] = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H)))
+    if spec.objective.uses_delta:
+        knobs["delta"] = 0.5 + jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H)))
+    if spec.window > 1:
+        shape = (B, T, H, spec.window) if per_position_gates else (B, T, H)
+        knobs["gamma"] = jax.nn.sigmoid(jax.random.normal(ks[7], shape))
+    state = spec.init_state(ks[8], batch=B, heads=H, d_k=K, d_v=V)
+    # A state mid-sequence: momentum (and θ) away from their initial values.
+    bump = lambda x, key: x + 0.1 * jax.random.normal(key, x.shape)
+    leaves, tree = jax.tree.flatten(state.opt_state)
+    keys = jax.random.split(ks[9], len(leaves) + 1)
+    state = state._replace(opt_state=jax.tree.unflatten(tree, [bump(x, kk) for x, kk in zip(leaves, keys)]))
+    feature_params = spec.feature_map.init_params()
+    if isinstance(spec.feature_map, Polynomial):
+        feature_params = {"coeffs": feature_params["coeffs"] * (1.0 + 0.1 * jax.random.normal(keys[-1], (3,)))}
+    return q, k, v, knobs, state, feature_params
+
+
+def _loss_and_grads(spec, q, k, v, knobs, state, feature_params, chunk):
+    """Outputs, final state and the gradient of a random linear functional of both."""
+    o_shape = v.shape
+    probe = jax.random.normal(jax.random.PRNGKey(11), o_shape)
+
+    def loss(q, k, v, knobs, params, feature_params):
+        o, final = spec(q, k, v, **knobs, initial_state=state._replace(params=params), output_final_state=True,
+                        impl="chunk", chunk_size=chunk, feature_params=feature_params)
+        leaves = jax.tree.leaves((final.params, final.opt_state, final.accumulator))
+        keys = jax.random.split(jax.random.PRNGKey(12), len(leaves))
+        total = jnp.sum(o * probe) + sum(jnp.sum(x * jax.random.normal(kk, x.shape)) for x, kk in zip(leaves, keys))
+        return total, (o, final)
+
+    grads, (o, final) = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(
+        q, k, v, knobs, state.params, feature_params)
+    return o, final, grads
+
+
+def _assert_forms_agree(name, chunk, T, per_position_gates=False, gradients=True):
+    spec = _spec(name)
+    B, H, K, V = 1, 2, 4, 4
+    args = _inputs(spec, 0, B, T, H, K, V, per_position_gates=per_position_gates)
+    assert dual.covers(spec, jax.tree.map(lambda x: x[0, 0], args[4]), _one_sequence_steps(spec, K, V, T))
+    o_dual, s_dual, g_dual = _loss_and_grads(spec, *args, chunk)
+    with chunked.materialising():
+        o_ref, s_ref, g_ref = _loss_and_grads(spec, *args, chunk)
+    assert rel(o_dual, o_ref) < 1e-5
+    for path, a, b in _paired(s_dual, s_ref):
+        assert rel(a, b) < 1e-5, ("state", path, rel(a, b))
+    labels = ["q", "k", "v", "knobs", "initial params", "feature coefficients"]
+    for label, ga, gb in zip(labels if gradients else [], g_dual, g_ref):
+        for path, a, b in _paired(ga, gb):
+            assert rel(a, b) < 1e-5, (label, path, rel(a, b))
+
+
+# Odd T, chunks 8 / 16 / 64, the last chunk partly padding; omeganet with per-position window gates.
+CASES = [("titans", 8, 37), ("omeganet", 16, 41), ("atlas", 64, 69), ("dla", 8, 29), ("moneta", 16, 33),
+         ("yaad", 64, 67)]
+
+
+@pytest.mark.parametrize("name,chunk,T", CASES, ids=[f"{n}-C{c}-T{t}" for n, c, t in CASES])
+def test_dual_form_equals_the_materialising_form_outputs_states_and_gradients(name, chunk, T):
+    _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
+
+
+SLOW_CASES = [("titans_outside", 16, 45), ("omeganet_forget_first", 8, 23), ("ttt_mlp_implicit", 8, 19),
+              ("omeganet", 8, 26)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,chunk,T", SLOW_CASES, ids=[f"{n}-C{c}-T{t}" for n, c, t in SLOW_CASES])
+def test_more_of_the_design_space_through_the_dual_form(name, chunk, T):
+    _assert_forms_agree(name, chunk, T)
+
+
+def test_memora_chunk_end_softmax_map_through_the_dual_form():
+    # Outputs and states only: Memora's softmax-then-LayerNorm read amplifies float32 rounding, so
+    # its gradients move by ~5e-6 under a 1e-7 relative change of v in the materialising form alone,
+    # and the two forms' gradients differ by ~5e-5.
+    _assert_forms_agree("memora", 8, 21, gradients=False)
+
+
+def test_per_chunk_newton_schulz_at_chunk_one_equals_the_recurrent_form():
+    # (titans, omeganet, dla, moneta, yaad, memora at chunk 1: tests/test_forms.py, through the dual form)
+    spec = _spec("atlas")
+    q, k, v, knobs, state, feature_params = _inputs(spec, 2, 1, 19, 2, 4, 4)
+    run = lambda impl: spec(q, k, v, **knobs, initial_state=state, output_final_state=True, impl=impl, chunk_size=1,
+                            feature_params=feature_params)
+    o_rec, s_rec = run("recurrent")
+    o_dual, s_dual = run("chunk")
+    assert rel(o_dual, o_rec) < 1e-5
+    assert tree_rel(s_dual, s_rec) < 1e-5
+
+
+def test_muon_per_chunk_ns_differs_from_per_token_ns_beyond_chunk_one():
+    token = dataclasses.replace(_spec("atlas"), optimizer=opt.muon(coefficients="cubic"))
+    per_chunk = _spec("atlas")
+    assert opt.info(per_chunk.optimizer).ns_every == "chunk" and opt.info(token.optimizer).ns_every == "token"
+    q, k, v, knobs, state, _ = _inputs(token, 3, 1, 24, 1, 4, 4)
+    run = lambda spec: spec(q, k, v, **knobs, initial_state=state, impl="chunk", chunk_size=8)[0]
+    assert rel(run(per_chunk), run(token)) > 1e-3
+
+
+def test_specs_outside_the_dual_form_stay_on_the_materialising_form():
+    K = V = 4
+    steps = _one_sequence_steps(_spec("titans"), K, V, 8)
+    state_of = lambda spec: jax.tree.map(lambda x: x[0, 0], spec.init_state(jax.random.PRNGKey(0), batch=1, heads=1,
+                                                                            d_k=K, d_v=V))
+    per_token_ns = presets.get("atlas", hidden=16)
+    per_token_map = presets.get("moneta", hidden=16, map_at="token")
+    channel_beta = steps._replace(step_size=jnp.ones((8, V)))
+    assert not dual.covers(per_token_ns, state_of(per_token_ns), _one_sequence_steps(per_token_ns, K, V, 8))
+    assert not dual.covers(per_token_map, state_of(per_token_map), steps)
+    assert not dual.covers(_spec("titans"), state_of(_spec("titans")), channel_beta)
+    assert dual.covers(_spec("titans"), state_of(_spec("titans")), steps)
+
+
+def test_no_intermediate_of_chunk_times_theta_size_in_forward_or_backward():
+    """The traced program (forward and backward) has no array as large as [chunk, |θ|]; the
+    materialising form does (the check can fail)."""
+    spec = _spec("omeganet")
+    chunk = 16
+    q, k, v, knobs, state, _ = _inputs(spec, 4, 1, 32, 1, 4, 4)
+    largest_leaf = max(x[0, 0].size for x in jax.tree.leaves(state.params))
+
+    def largest(program):
+        sizes = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"f32\[([\d,]*)\]", program)]
+        return max(sizes)
+
+    def loss(q, params):
+        o, _ = spec(q, k, v, **knobs, initial_state=state._replace(params=params), impl="chunk", chunk_size=chunk)
+        return jnp.sum(o)
+
+    program = lambda: str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, state.params))
+    assert largest(program()) < chunk * largest_leaf
+    with chunked.materialising():
+        assert largest(program()) >= chunk * largest_leaf
+
+
+def test_state_bytes_counts_theta_and_optimizer_state():
+    sizes = dual.state_bytes(presets.get("titans"), d_k=128, d_v=128, heads=8)
+    theta = 8 * 4 * (128 * 512 + 512 * 128)
+    assert sizes["theta"] == theta and sizes["optimizer"] == theta and sizes["other"] == 0
+    atlas = dual.state_bytes(presets.get("atlas"), d_k=8, d_v=8, heads=1)
+    d_phi = math.comb(8 + 2, 2)
+    theta = 4 * (d_phi * 32 + 32 * 8 + d_phi * 8)
+    window = 4 * 3 * (d_phi + 8 + 1 + 8)
+    assert atlas == {"theta": theta, "optimizer": theta, "other": window, "total": 2 * theta + window}
+
+
+# ---- compiled memory ---------------------------------------------------------------------------
+
+def _temp_bytes(spec, T, B=1, H=8, D=128, chunk=64):
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    state = jax.eval_shape(lambda: spec.init_state(jax.random.PRNGKey(0), batch=B, heads=H, d_k=D, d_v=D))
+    knobs = {"beta": sds(B, T, H), "g": sds(B, T, H)}
+    if spec.opt_kind in ("momentum", "muon"):
+        knobs["nu"] = sds(B, T, H)
+
+    def loss(q, k, v, knobs, state):
+        o, _ = spec(q, k, v, **knobs, initial_state=state, impl="chunk", chunk_size=chunk)
+        return jnp.sum(o)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    compiled = grad.lower(sds(B, T, H, D), sds(B, T, H, D), sds(B, T, H, D), knobs, state).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _feature_map_temp_bytes(spec, T, B=1, H=8, D=128):
+    """φ(q) and φ(k) forward and backward alone (computed by MemorySpec before any form runs)."""
+    sds = jax.ShapeDtypeStruct((B, T, H, D), jnp.float32)
+    fmap = spec.feature_map
+    features = lambda x: jnp.sum(jnp.sin(fmap.apply(fmap.init_params(), x)))
+    loss = lambda q, k: features(q) + features(k)
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(sds, sds).compile().memory_analysis().temp_size_in_bytes
+
+
+def _growth_per_token(temp_bytes):
+    return (temp_bytes(4096) - temp_bytes(1024)) / (4096 - 1024)
+
+
+def test_titans_forward_backward_memory_grows_at_most_one_mib_per_token():
+    growth = _growth_per_token(lambda T: _temp_bytes(presets.get("titans"), T))
+    assert growth <= 2 ** 20, f"titans: {growth / 2 ** 20:.3f} MiB per token"
+
+
+@pytest.mark.slow   # ~30 s of compiling on 2 CPUs
+@pytest.mark.parametrize("name", ["omeganet", "atlas"])
+def test_polynomial_feature_presets_memory_beyond_the_feature_map_grows_at_most_one_mib_per_token(name):
+    """With degree-2 features at D = 128, φ(k) and φ(q) have d_φ = 8385 features per head: their own
+    autodiff (atlas_jax/features.py, run by MemorySpec before the form) grows by ~2 MiB per token
+    by itself. The bound holds for everything else: the form, its chunk-boundary states and the
+    [T, d_φ] arrays it carries."""
+    spec = presets.get(name)
+    if name == "atlas":
+        spec = dataclasses.replace(spec, optimizer=opt.muon(ns_every="chunk"))
+    growth = _growth_per_token(lambda T: _temp_bytes(spec, T))
+    features = _growth_per_token(lambda T: _feature_map_temp_bytes(spec, T))
+    assert growth - features <= 2 ** 20, (f"{name}: {growth / 2 ** 20:.3f} MiB per token, of which φ "
+                                          f"{features / 2 ** 20:.3f}")
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def _paired(a, b):
+    return [(jax.tree_util.keystr(path), x, y)
+            for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b))]
+
+
+def _one_sequence_steps(spec, K, V, T):
+    from atlas_jax.forms.common import Steps
+    d_in = spec.feature_dim(K)
+    ones = jnp.ones((T,))
+    return Steps(inputs=jnp.ones((T, d_in)), targets=jnp.ones((T, V)), queries=jnp.ones((T, d_in)), step_size=ones,
+                 log_decay=-ones if spec.retention.needs_gate else None,
+                 momentum_decay=ones if spec.opt_kind in ("momentum", "muon") else None, gates=ones,
+                 delta=jnp.ones((T, V)) if spec.objective.uses_delta else None, active=ones)
