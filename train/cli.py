@@ -36,9 +36,8 @@ def run(args) -> int:
         print(f"atlas-jax train: error: {err}", file=sys.stderr)
         return 2
     last = summary["last"]
-    if summary["exit"] == "done" and "eval_loss" in last:
-        unigram = summary.get("unigram_loss")
-        baseline = f" (unigram baseline {math.exp(unigram):.2f})" if unigram is not None else ""
+    if summary["exit"] == "done" and "eval_loss" in last and "unigram_loss" in summary:    # process 0
+        baseline = f" (unigram baseline {math.exp(summary['unigram_loss']):.2f})"
         print(f"{cfg.preset} ({cfg.size}): step {summary['steps']}, train loss {last['loss']:.4f}, "
               f"held-out loss {last['eval_loss']:.4f}, perplexity {last['eval_perplexity']:.2f}{baseline}; "
               f"run directory {summary['run_dir']}")

@@ -33,6 +33,7 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self._tb = self._bar = None
+        self._last_time, self._last_step = time.perf_counter(), start_step
         if not enabled:
             return
         kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= start_step]
@@ -48,7 +49,6 @@ class MetricsWriter:
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                              desc=self.run_dir.name)
-        self._last_time, self._last_step = time.perf_counter(), start_step
 
     def advance(self, steps: int = 1):
         if self._bar is not None:

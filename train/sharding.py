@@ -92,9 +92,22 @@ def param_sharding(value, mesh: Mesh, names=None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
 
 
+STACKED_PREFIXES = ("blocks",)    # atlas_jax.models stacks its blocks on a leading layer axis for nnx.scan
+
+
+def _names_for(path, leaf) -> tuple:
+    shape = np.shape(leaf)
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if shape and any(k in STACKED_PREFIXES for k in keys):
+        # the layer axis stays whole: the scan walks it one block at a time
+        return (None,) + default_logical_names(shape[1:])
+    return default_logical_names(shape)
+
+
 def state_shardings(tree, mesh: Mesh):
     """NamedSharding for every array leaf of a train-state pytree (parameters, optimizer moments)."""
-    return jax.tree.map(lambda leaf: param_sharding(leaf, mesh), tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: param_sharding(leaf, mesh, _names_for(path, leaf)), tree)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

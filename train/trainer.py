@@ -321,9 +321,18 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
         stop.uninstall()
     summary = {"run_dir": str(run_dir), "steps": step, "exit": exit_reason, "last": last_record,
                "skipped_steps": skipped, "tokenizer": getattr(dataset.tokenizer, "kind", "?")}
+    if exit_reason == "done":
+        # a run resumed at its last step has no fresh evaluation in the loop
+        summary["eval_loss"] = (last_record["eval_loss"] if "eval_loss" in last_record
+                                else trainer.evaluate(state, eval_batches))
     if exit_reason == "done" and primary:
         summary["plot"] = str(plot_losses(run_dir, run_dir / "loss.png", labels=[f"{cfg.preset} ({cfg.size})"]))
         summary["unigram_loss"] = dataset.unigram_loss(cfg.data.eval_batches)
+    if jax.process_count() > 1:
+        # hosts leave together: one that exits while another still plots fails the shutdown barrier
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("atlas_jax.train: run finished")
     summary["trainer"], summary["state"], summary["dataset"] = trainer, state, dataset
     return summary
 
