@@ -179,16 +179,6 @@ def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_s
                     cu_seqlens=cu, normalize_qk=use_qk_l2norm_in_kernel)
 
 
-# The two private entries atlas_jax/forms/chunked.py calls until it moves to run_delta_family.
-def _resolve_impl(fn, impl, *, delta, q, v, chunk_size):
-    call = support.DeltaCall(B=q.shape[0], T=q.shape[1], H=q.shape[2], K=q.shape[-1],
-                             V=v.shape[-1], n_states=q.shape[0], gate="none")
-    return _choose_impl(fn, impl, call, q, q, v, chunk_size, delta)
-
-
-_run = _execute
-
-
 # ---------------------------------------------------------------------------------------------
 # The fla-compatible ops
 
