@@ -85,7 +85,7 @@ def table(results) -> str:
             lines.append(f"| {op} | " + " | ".join(f"{stages[n]:.3f}" for n in names) + " |")
     for shape, runs in results.get("kernels_ms", {}).items():
         lines += ["", f"Every kernel of one forward+backward at {shape.replace('x', ',')}, each "
-                  "launched alone (`PARTS=kernels`, ms):", ""]
+                  "launched alone (`tune.py --per-kernel`, ms):", ""]
         for run, kernels in runs.items():
             lines.append(f"- {run} (sum {sum(kernels.values()):.3f}): "
                          + ", ".join(f"{name} {t:.3f}" for name, t in kernels.items()))
