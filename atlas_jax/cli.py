@@ -1,27 +1,105 @@
 """The ``atlas-jax`` command line.
 
-    atlas-jax memorize [key=value ...]        the test-time memorisation experiment
+    atlas-jax memorize [--config FILE ...] [--print-config] [key=value ...]
+                                              the test-time memorisation experiment
     atlas-jax presets [--markdown]            every preset on the four axes
     atlas-jax preset NAME [key=value ...]     one preset's axes, with options applied
+
+Every command reads and checks its whole configuration before any work starts: a missing
+``--config`` file, a value of the wrong type or range, an unknown key or an output folder that
+cannot be written is one line ``atlas-jax: error: ...`` on stderr and exit code 2 (no traceback).
+``--config`` files layer over the command's shipped base config, then ``key=value`` overrides
+(YAML values, dotted keys for sections) layer over those (see atlas_jax.config).
+
+Adding a command: one function taking the parsed arguments and returning the exit code, registered
+with ``@command(name, help, arguments)`` where ``arguments(parser)`` adds its flags (use
+:func:`add_config_arguments` for the shared ``--config`` / ``--print-config`` / ``key=value`` set and
+:func:`load_command_config` to read them). Raise :class:`~atlas_jax.config.ConfigError` for anything
+the user must fix; ``main`` prints it as one line.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
-from atlas_jax.config import load_config, parse_overrides, repo_root
+from atlas_jax.config import ConfigError, config_path, dump_yaml, load_config, parse_overrides, resolve_config_file
+
+__all__ = ["main", "command", "add_config_arguments", "load_command_config"]
 
 
+class _UsageError(Exception):
+    """A malformed command line (argparse's complaint), reported like a config error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
+
+@dataclass(frozen=True)
+class _Command:
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None] | None
+    run: Callable[[argparse.Namespace], int]
+
+
+_COMMANDS: list[_Command] = []
+
+
+def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Registers ``fn(args) -> exit code`` as ``atlas-jax NAME``; ``arguments(parser)`` adds its flags."""
+    def register(fn):
+        _COMMANDS.append(_Command(name, help, arguments, fn))
+        return fn
+    return register
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, base: str) -> None:
+    """``--config FILE`` (repeatable, layered over ``base``), ``--print-config`` and ``key=value ...``."""
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help=f"YAML layered over the shipped {base} (repeatable; later files win)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit without running")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="overrides parsed as YAML, e.g. passes=3 n_pairs=[8,16]")
+
+
+def load_command_config(cls, args: argparse.Namespace, *base: str):
+    """``cls`` from the shipped ``configs/<base...>``, the ``--config`` files and the overrides, with
+    every value and the output folders checked (nothing is created yet)."""
+    files = [resolve_config_file(path) for path in args.config]
+    return load_config(cls, config_path(*base), *files, overrides=args.overrides)
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands
+
+
+def _memorize_arguments(parser):
+    add_config_arguments(parser, "configs/experiments/memorize.yml")
+
+
+@command("memorize", "test-time memorisation experiment (recall vs n)", _memorize_arguments)
 def _memorize(args) -> int:
     from atlas_jax.experiments.memorization import MemorizationConfig, main
 
-    config_path = args.config or repo_root() / "configs" / "experiments" / "memorize.yml"
-    cfg = load_config(MemorizationConfig, config_path if config_path.exists() else None, args.overrides)
-    main(cfg)
+    cfg = load_command_config(MemorizationConfig, args, "experiments", "memorize.yml")
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    main(cfg)                        # creates and probes out_dir first, then computes
     return 0
 
 
+def _presets_arguments(parser):
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+
+
+@command("presets", "the four axes of every preset", _presets_arguments)
 def _presets(args) -> int:
     from atlas_jax import presets
 
@@ -35,41 +113,63 @@ def _presets(args) -> int:
     return 0
 
 
+def _preset_arguments(parser):
+    parser.add_argument("name")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="preset options, e.g. window=8")
+
+
+@command("preset", "one preset's axes", _preset_arguments)
 def _preset(args) -> int:
     from atlas_jax import presets
 
-    spec = presets.get(args.name, **parse_overrides(args.overrides))
+    options = parse_overrides(args.overrides)
+    try:
+        spec = presets.get(args.name, **options)
+    except (ValueError, TypeError) as err:    # an unknown name or option, or an option value that does not fit
+        raise ConfigError(str(err)) from None
     print(json.dumps({"preset": args.name, **{k: str(v) for k, v in spec.axes().items()}}, indent=2,
                      ensure_ascii=False))
     return 0
 
 
+# --------------------------------------------------------------------------------------------------
+
+
+def _parser() -> _Parser:
+    from atlas_jax import __version__
+
+    parser = _Parser(prog="atlas-jax", description=__doc__.split("\n\n")[1],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"atlas-jax {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for cmd in _COMMANDS:
+        one = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if cmd.arguments is not None:
+            cmd.arguments(one)
+        one.set_defaults(run=cmd.run)
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"atlas-jax: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="atlas-jax", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    mem = sub.add_parser("memorize", help="test-time memorisation experiment (recall vs n)")
-    mem.add_argument("--config", type=lambda p: __import__("pathlib").Path(p), default=None,
-                     help="base YAML (default: configs/experiments/memorize.yml)")
-    mem.add_argument("overrides", nargs="*", help="key=value overrides, e.g. passes=3 d_k=32")
-    mem.set_defaults(func=_memorize)
-
-    pre = sub.add_parser("presets", help="the four axes of every preset")
-    pre.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    pre.set_defaults(func=_presets)
-
-    one = sub.add_parser("preset", help="one preset's axes")
-    one.add_argument("name")
-    one.add_argument("overrides", nargs="*", help="preset options as key=value")
-    one.set_defaults(func=_preset)
-
-    args = parser.parse_args(argv)
+    parser = _parser()
     try:
-        return args.func(args)
-    except ValueError as err:   # configuration errors: one clear line, no traceback
-        print(f"atlas-jax: error: {err}", file=sys.stderr)
-        return 2
+        args, extra = parser.parse_known_args(argv)
+        # key=value given after an option land in ``extra``; anything else there is unknown.
+        unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+        if unknown:
+            hint = " (overrides are key=value, without dashes)" if any("=" in a for a in unknown) else ""
+            raise _UsageError(f"unrecognized arguments: {' '.join(unknown)}{hint} "
+                              f"(see atlas-jax {args.command} --help)")
+        if extra:
+            args.overrides = [*args.overrides, *extra]
+        return args.run(args)
+    except (ConfigError, _UsageError) as err:   # configuration errors: one line, no traceback
+        return _error(str(err))
 
 
 if __name__ == "__main__":

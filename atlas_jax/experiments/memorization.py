@@ -18,7 +18,7 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -28,45 +28,16 @@ import optax
 
 from atlas_jax import optimizers as opt
 from atlas_jax import retention as ret
+from atlas_jax.config import Config, ConfigError, ensure_output_dir, setting
 from atlas_jax.features import Identity, Polynomial
 from atlas_jax.memory import LinearMemory, MLPMemory
 from atlas_jax.objectives import L2, Dot
 from atlas_jax.spec import MemorySpec
 
-__all__ = ["MemorizationConfig", "MEMORIES", "run", "format_table", "plot"]
+__all__ = ["MemorizationConfig", "MEMORIES", "POLYNOMIAL_MEMORIES", "run", "format_table", "plot", "main"]
 
 
-@dataclass(frozen=True)
-class MemorizationConfig:
-    d_k: int = 16
-    d_v: int = 16
-    n_pairs: tuple = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-    trials: int = 8
-    passes: int = 1
-    hidden: int = 64
-    degree: int = 2
-    window: int = 4
-    # a_0 = 0: the constant feature is shared by every key and only adds cross-talk; an outer loop
-    # would learn that (ATLAS §3.1, input gating), this experiment has no outer loop.
-    poly_coeffs: tuple | None = (0.0, 1.0, 1.0)
-    seed: int = 0
-    memories: tuple = ("linear_attention", "deltanet", "gated_deltanet", "deltanet_poly2", "titans_mlp",
-                       "atlas", "atlas_adam")
-    out_dir: str = "results/memorization"
-
-    def __post_init__(self):
-        for name in ("d_k", "d_v", "trials", "passes", "hidden", "degree", "window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"memorize: {name} must be a positive int, got {value!r}")
-        if not self.n_pairs or any(not isinstance(n, int) or n < 1 for n in self.n_pairs):
-            raise ValueError(f"memorize: n_pairs must be positive ints, got {self.n_pairs!r}")
-        unknown = sorted(set(self.memories) - set(MEMORIES))
-        if unknown:
-            raise ValueError(f"memorize: unknown memories {unknown}; choose from {sorted(MEMORIES)}")
-
-
-# name -> (label, spec factory(config), step-size grid, needs an initial θ_0 draw)
+# name -> (label, spec factory(config), step-size grid)
 def _linear(objective, retention=None, feature_map=None):
     def make(cfg):
         return MemorySpec(LinearMemory(), feature_map(cfg) if feature_map else Identity(), objective, 1,
@@ -91,6 +62,39 @@ MEMORIES = {
                                         c.window, optax.chain(optax.scale_by_adam(), opt.gd()),
                                         ret.scalar(0.0, decoupled=True)), (0.003, 0.01, 0.03, 0.1)),
 }
+# the memories whose feature map is Polynomial(degree), which reads poly_coeffs
+POLYNOMIAL_MEMORIES = ("deltanet_poly2", "atlas", "atlas_adam")
+
+
+@dataclass(frozen=True)
+class MemorizationConfig(Config):
+    """The experiment's settings: the YAML keys of configs/experiments/memorize.yml and the
+    ``key=value`` overrides of ``atlas-jax memorize``. Every field is checked on construction."""
+
+    d_k: int = setting(16, ge=1)
+    d_v: int = setting(16, ge=1)
+    n_pairs: tuple[int, ...] = setting((4, 8, 12, 16, 24, 32, 48, 64, 96, 128), ge=1, nonempty=True)
+    trials: int = setting(8, ge=1)
+    passes: int = setting(1, ge=1)
+    hidden: int = setting(64, ge=1)
+    degree: int = setting(2, ge=1)
+    window: int = setting(4, ge=1)
+    # a_0 = 0: the constant feature is shared by every key and only adds cross-talk; an outer loop
+    # would learn that (ATLAS §3.1, input gating), this experiment has no outer loop.
+    poly_coeffs: tuple[float, ...] | None = (0.0, 1.0, 1.0)
+    seed: int = setting(0, ge=0)
+    memories: tuple[str, ...] = setting(("linear_attention", "deltanet", "gated_deltanet", "deltanet_poly2",
+                                         "titans_mlp", "atlas", "atlas_adam"), choices=lambda: MEMORIES,
+                                        nonempty=True)
+    out_dir: Path = setting("results/memorization", output_dir=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        polynomial = [m for m in self.memories if m in POLYNOMIAL_MEMORIES]
+        if polynomial and self.poly_coeffs is not None and len(self.poly_coeffs) != self.degree + 1:
+            raise ConfigError(f"needs degree + 1 = {self.degree + 1} coefficients for degree={self.degree} "
+                              f"(used by {', '.join(polynomial)}), or null for the defaults 1/i!",
+                              key="poly_coeffs", value=self.poly_coeffs)
 
 
 def _pairs(key, trials, n, d_k, d_v):
@@ -203,11 +207,11 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(cfg: MemorizationConfig, log=print) -> dict:
+    """Runs the experiment; the output folder is created and checked writable before any work."""
+    out = ensure_output_dir(cfg.out_dir, key="out_dir")
     log(f"atlas-jax memorize: d_k={cfg.d_k}, d_v={cfg.d_v}, n={list(cfg.n_pairs)}, {cfg.trials} trials, "
         f"{cfg.passes} pass(es), backend {jax.default_backend()}")
     results = run(cfg, log)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     plot(results, out / "recall_vs_n.png")
     log(format_table(results))
