@@ -41,6 +41,7 @@ import optax
 
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.features import FeatureMap, Identity
+from atlas_jax.kernels.delta_family.support import check_chunk_size
 from atlas_jax.forms.chunked import chunked_sequence, exact_chunked, is_exact
 from atlas_jax.forms.common import MemoryState, Steps, WindowCache
 from atlas_jax.forms.recurrent import recurrent_sequence
@@ -314,8 +315,8 @@ def _check_inputs(spec, q, k, v, beta, g, nu, gamma, delta):
 def _check_impl(where, impl, chunk_size):
     if impl not in IMPLS:
         raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"{where}: chunk_size must be a positive int (tokens per chunk, e.g. 64), got {chunk_size!r}")
+    # The kernels own the chunk-size rule (one checker for the ops, the kernels and the spec).
+    check_chunk_size(where, chunk_size, kernel=impl == "pallas")
 
 
 @partial(jax.jit, static_argnames=("spec", "impl", "chunk_size", "steps"))

@@ -56,9 +56,9 @@ def test_chunk_size_and_impl_and_window(inputs):
     q, k, v, beta, g = inputs
     spec = presets.get("deltanet")
     for bad in (0, -4, 2.5):
-        with pytest.raises(ValueError, match=r"^MemorySpec call: chunk_size must be a positive int"):
+        with pytest.raises(ValueError, match=r"^MemorySpec call: argument `chunk_size` must be a positive int"):
             spec(q, k, v, beta=beta, impl="chunk", chunk_size=bad)
-        with pytest.raises(ValueError, match=r"^MemorySpec: chunk_size must be a positive int"):
+        with pytest.raises(ValueError, match=r"^MemorySpec: argument `chunk_size` must be a positive int"):
             dataclasses.replace(spec, chunk_size=bad)
     with pytest.raises(ValueError, match=r"^MemorySpec call: impl must be one of \('recurrent', 'chunk', 'pallas', 'auto'\)"):
         spec(q, k, v, beta=beta, impl="parallel")
