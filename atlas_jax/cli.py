@@ -2,7 +2,9 @@
 
     atlas-jax memorize [--config FILE ...] [--print-config] [key=value ...]
                                               the test-time memorisation experiment
-    atlas-jax presets [--markdown]            every preset on the four axes
+    atlas-jax presets [--markdown] [--size S] [--names a,b]
+                                              every preset on the four axes; with --size, every
+                                              model's parameters and memory state per layer
     atlas-jax preset NAME [key=value ...]     one preset's axes, with options applied
 
 Every command reads and checks its whole configuration before any work starts: a missing
@@ -97,19 +99,60 @@ def _memorize(args) -> int:
 
 def _presets_arguments(parser):
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--size", default=None,
+                        help="also print each model's parameter count and its memory state per layer at this "
+                             "size (tiny, 170m, 340m, 760m, 1.3b); the attention baselines and hybrids are added")
+    parser.add_argument("--names", default=None,
+                        help="comma-separated model names to list (default: all)")
 
 
-@command("presets", "the four axes of every preset", _presets_arguments)
+_AXES = ("memory", "feature_map", "objective", "window", "optimizer", "retention")
+
+
+def _model_rows(size, wanted):
+    """Parameters and per-layer memory state (float32) of each model at ``size``."""
+    from atlas_jax import models
+
+    rows = []
+    for name in models.names():
+        if wanted is not None and name not in wanted:
+            continue
+        params = models.param_count(name, size)
+        state = models.memory_state_size(name, size)
+        rows.append({"model": name, "parameters": params, "state_floats_per_layer": state["total"],
+                     "memory_layers": state["memory_layers"]})
+    return rows
+
+
+@command("presets", "the four axes of every preset (with --size: parameters and memory state)", _presets_arguments)
 def _presets(args) -> int:
     from atlas_jax import presets
 
+    wanted = None if args.names is None else [n.strip() for n in args.names.split(",") if n.strip()]
+    if args.size is not None:
+        from atlas_jax import models
+        from atlas_jax.models.config import size_values
+
+        try:
+            size_values(args.size)
+        except ValueError as err:
+            raise ConfigError(f"--size: {err}") from None
+        unknown = sorted(set(wanted or ()) - set(models.names()))
+        if unknown:
+            raise ConfigError(f"--names: unknown model(s) {unknown}; choose from {models.names()}")
+        print(f"# size {args.size}: parameters include embeddings and head (tied weights once); memory state is "
+              "θ + inner-optimizer state + retention/window per sequence, float32, per memory layer")
+        for row in _model_rows(args.size, wanted):
+            state_mib = 4 * row["state_floats_per_layer"] / 2 ** 20
+            print(f"{row['model']:<20s} {row['parameters'] / 1e6:9.1f}M params   "
+                  f"{state_mib:9.2f} MiB state/layer × {row['memory_layers']} layers")
+        return 0
+    rows = [row for row in presets.table() if wanted is None or row["preset"] in wanted]
     if args.markdown:
         print(presets.markdown_table())
     else:
-        for row in presets.table():
-            print(f"{row['preset']:<20s} " + " | ".join(row[c] for c in
-                                                         ("memory", "feature_map", "objective", "window",
-                                                          "optimizer", "retention")))
+        for row in rows:
+            print(f"{row['preset']:<20s} " + " | ".join(row[c] for c in _AXES))
     return 0
 
 

@@ -278,3 +278,18 @@ def test_installed_memorize_runs_from_another_directory(installed, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "DeltaNet" in done.stdout
     assert (tmp_path / "results" / "memorization" / "results.json").is_file()   # the default out_dir, here
+
+
+def test_presets_size_prints_parameter_counts_near_the_papers(capsys):
+    """ATLAS Table 7's sizes: gated_deltanet, titans and atlas within 15% of 340M and 760M."""
+    for size, nominal in (("340m", 340e6), ("760m", 760e6)):
+        assert cli_main(["presets", "--size", size, "--names", "gated_deltanet,titans,atlas"]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+        assert [line.split()[0] for line in lines] == ["gated_deltanet", "titans", "atlas"]
+        for line in lines:
+            params = float(line.split()[1].rstrip("M")) * 1e6
+            assert abs(params / nominal - 1) < 0.15, (size, line)
+    assert cli_main(["presets", "--size", "2b"]) == 2
+    assert "unknown size '2b'" in capsys.readouterr().err
+    assert cli_main(["presets", "--size", "tiny", "--names", "lstm"]) == 2
+    assert "unknown model(s) ['lstm']" in capsys.readouterr().err
