@@ -83,7 +83,7 @@ class ModelConfig:
     gate_rank: int = 16                  # low-rank projection of channel-wise gates
     memory_init: str = "shared"          # learnable θ_0 of deep memories: per_head | shared | fixed
     max_documents: int = 8               # packed rows: at most this many documents per row
-    step_size_max: float | None = None   # β = step_size_max·sigmoid(·); None: 1 (linear), 0.1 (deep)
+    step_size_max: float | None = None   # β = step_size_max·sigmoid(·); None: 1 (linear), 1e-3 (deep)
     # numerics and compilation
     dtype: str = "float32"               # compute dtype (bfloat16 for training on accelerators)
     param_dtype: str = "float32"
