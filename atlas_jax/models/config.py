@@ -157,6 +157,8 @@ def size_values(size: str) -> dict:
 def model_values(preset: str) -> tuple[dict, dict]:
     """(options, model mapping) of ``configs/models/<preset>.yml``."""
     path = models_dir() / f"{preset}.yml"
+    if not path.is_file():    # a preset without a config file: its factory defaults
+        return {}, {}
     data: dict[str, Any] = load_yaml(path)
     model = dict(data.get("model") or {})
     unknown = sorted(set(model) - set(FIELDS))
