@@ -26,7 +26,7 @@ from flax import nnx
 
 from atlas_jax.memory import LinearMemory
 from atlas_jax.presets import ClosedForm
-from atlas_jax.spec import MemorySpec
+from atlas_jax.spec import MemorySpec, MemoryState
 
 __all__ = ["DTYPES", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory",
            "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
@@ -37,12 +37,41 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _CORE_TAKES_IMPL = "impl" in inspect.signature(MemorySpec.__call__).parameters
 
 
+def delta_family_op(spec):
+    """The atlas_jax.ops function that runs ``spec`` exactly (DeltaNet, Gated DeltaNet, KDA, RWKV-7,
+    DeltaProduct, TTT-linear: linear memory, identity φ, ℓ2, GD, forget-then-write), else None."""
+    from atlas_jax import ops
+    from atlas_jax.features import Identity
+    from atlas_jax.objectives import L2
+    if (isinstance(spec, ClosedForm) or not spec.chunked_is_exact or spec.opt_kind != "gd"
+            or type(spec.feature_map) is not Identity or type(spec.objective) is not L2
+            or spec.retention.log_decay is not None):
+        return None
+    if spec.steps > 1:
+        return ops.delta_product
+    return {"none": ops.delta_rule, "scalar": ops.gated_delta_rule, "channel": ops.kda}[spec.retention.decay]
+
+
 def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None,
                output_final_state: bool = False, feature_params=None, scale: float = 1.0):
-    """The one call into the core: (o [B, T, H, V], final state or None)."""
+    """The one call into the core: (o [B, T, H, V], final state or None).
+
+    The exact delta family goes to atlas_jax.ops directly (the same algorithm MemorySpec's chunked
+    form dispatches to) so that bf16 operands reach the Pallas kernels as bf16: MemorySpec casts
+    q, k, v to float32 first."""
     if isinstance(spec, ClosedForm):
         extra = {"beta": knobs["beta"]} if "beta" in knobs else {}
         return spec(q, k, v, scale=scale, **extra), None
+    op = delta_family_op(spec)
+    if op is not None and impl != "recurrent" and (initial_state is None or isinstance(initial_state, MemoryState)):
+        state = None if initial_state is None else initial_state.params["S"]
+        args = (q, k, v, knobs["beta"]) if op.__name__ == "delta_rule" else (q, k, v, knobs.get("g"), knobs["beta"])
+        o, final = op(*args, scale=scale, initial_state=state, output_final_state=output_final_state,
+                      impl=impl, chunk_size=chunk_size)
+        if final is not None:
+            batch, _, heads, d_k = q.shape
+            final = spec.init_state(None, batch=batch, heads=heads, d_k=d_k, d_v=v.shape[-1], params={"S": final})
+        return o, final
     if _CORE_TAKES_IMPL:
         mode = {"impl": impl}
     else:
