@@ -89,7 +89,8 @@ def _assert_forms_agree(name, chunk, T, per_position_gates=False, gradients=True
     B, H, K, V = 1, 2, 4, 4
     args = _inputs(spec, 0, B, T, H, K, V, per_position_gates=per_position_gates)
     assert dual.covers(spec, jax.tree.map(lambda x: x[0, 0], args[4]), _one_sequence_steps(spec, K, V, T))
-    o_dual, s_dual, g_dual = _loss_and_grads(spec, *args, chunk)
+    with chunked.dual_form():
+        o_dual, s_dual, g_dual = _loss_and_grads(spec, *args, chunk)
     with chunked.materialising():
         o_ref, s_ref, g_ref = _loss_and_grads(spec, *args, chunk)
     assert rel(o_dual, o_ref) < 1e-5
@@ -121,6 +122,23 @@ def test_more_of_the_design_space_through_the_dual_form(name, chunk, T):
     _assert_forms_agree(name, chunk, T)
 
 
+def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypatch):
+    """A large θ is kept for the backward pass once per group of chunks (two-level rematerialisation);
+    at test sizes every chunk is its own group unless the budget is lowered: 7 chunks of 8 tokens in
+    groups of about 24 tokens are 3 groups of 3 chunks, the last filled with two chunks of padding."""
+    spec, chunk = _spec("titans"), 8
+    args = _inputs(spec, 5, 1, 53, 1, 4, 4)
+    with chunked.dual_form():
+        monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
+        monkeypatch.setattr(dual, "GROUP_TOKENS", 24)
+        grouped = _loss_and_grads(spec, *args, chunk)
+        monkeypatch.undo()
+    with chunked.dual_form():
+        single = _loss_and_grads(spec, *args, chunk)
+    for path, a, b in _paired(grouped, single):
+        assert rel(a, b) < 1e-6, (path, rel(a, b))
+
+
 def test_memora_chunk_end_softmax_map_through_the_dual_form():
     # Outputs and states only: Memora's softmax-then-LayerNorm read amplifies float32 rounding, so
     # its gradients move by ~5e-6 under a 1e-7 relative change of v in the materialising form alone,
@@ -135,7 +153,8 @@ def test_per_chunk_newton_schulz_at_chunk_one_equals_the_recurrent_form():
     run = lambda impl: spec(q, k, v, **knobs, initial_state=state, output_final_state=True, impl=impl, chunk_size=1,
                             feature_params=feature_params)
     o_rec, s_rec = run("recurrent")
-    o_dual, s_dual = run("chunk")
+    with chunked.dual_form():
+        o_dual, s_dual = run("chunk")
     assert rel(o_dual, o_rec) < 1e-5
     assert tree_rel(s_dual, s_rec) < 1e-5
 
@@ -146,7 +165,8 @@ def test_muon_per_chunk_ns_differs_from_per_token_ns_beyond_chunk_one():
     assert opt.info(per_chunk.optimizer).ns_every == "chunk" and opt.info(token.optimizer).ns_every == "token"
     q, k, v, knobs, state, _ = _inputs(token, 3, 1, 24, 1, 4, 4)
     run = lambda spec: spec(q, k, v, **knobs, initial_state=state, impl="chunk", chunk_size=8)[0]
-    assert rel(run(per_chunk), run(token)) > 1e-3
+    with chunked.dual_form():
+        assert rel(run(per_chunk), run(token)) > 1e-3
 
 
 def test_specs_outside_the_dual_form_stay_on_the_materialising_form():
@@ -180,7 +200,8 @@ def test_no_intermediate_of_chunk_times_theta_size_in_forward_or_backward():
         return jnp.sum(o)
 
     program = lambda: str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, state.params))
-    assert largest(program()) < chunk * largest_leaf
+    with chunked.dual_form():
+        assert largest(program()) < chunk * largest_leaf
     with chunked.materialising():
         assert largest(program()) >= chunk * largest_leaf
 

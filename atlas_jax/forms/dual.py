@@ -19,8 +19,9 @@ chunk start and c_t the carried momentum's coefficient. A read never forms θ_t:
 
 (a Gram matrix [b, n_sources] times the δ's), then the memory's activation, LayerNorm and residual.
 The chunk-end θ (and momentum) is one matmul per weight. Nothing of size [b, |θ|] exists; the
-backward pass is JAX's autodiff with two levels of rematerialisation (each chunk, and each group of
-chunks), so what it keeps is O(T·d) activations plus one state per group of chunks.
+backward pass is JAX's autodiff with rematerialisation of each chunk and, for a large θ, of each
+group of chunks, so what it keeps is O(T·d) activations plus one state per group of chunks
+(``BOUNDARY_BYTES_PER_TOKEN``).
 
 Covered: memories with ``apply_linear`` whose θ is exactly those weights (LinearMemory, MLPMemory,
 GatedMLPMemory); GD, implicit GD, momentum (both conventions) and Muon with ``ns_every="chunk"``;
@@ -45,10 +46,15 @@ from atlas_jax.forms.common import (
     safe_log,
 )
 
-__all__ = ["covers", "dual_sequence", "state_bytes", "GROUP_TOKENS"]
+__all__ = ["BOUNDARY_BYTES_PER_TOKEN", "GROUP_TOKENS", "covers", "dual_sequence", "state_bytes"]
 
-# Tokens per rematerialisation group: the backward pass keeps one state per group (plus, while
-# it runs through a group, one per chunk of that group).
+# The backward pass keeps the state (θ and the optimizer state) at every chunk boundary while that
+# costs at most BOUNDARY_BYTES_PER_TOKEN per token (per sequence and head: titans at D = 128 and
+# chunk 64, 1 MiB of θ and momentum, 16 KiB per token); a larger state is kept once per group of
+# about GROUP_TOKENS tokens, and the backward pass holds one state per chunk of the group it is in
+# (two-level rematerialisation). Keeping a fixed group length, rather than √(number of chunks), makes
+# the memory kept per token independent of T.
+BOUNDARY_BYTES_PER_TOKEN = 16 * 1024
 GROUP_TOKENS = 1024
 
 
@@ -225,23 +231,33 @@ def _one_chunk(spec, opt_info, carry: MemoryState, xc: Steps):
     return new_state, outputs
 
 
-def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, group_tokens: int = GROUP_TOKENS):
+def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, boundary_bytes_per_token=None):
     """The dual form for one sequence and head (steps padded to a multiple of ``chunk_size``):
     the same (final state, outputs [S, d_out]) as the materialising chunked form."""
     opt_info = inner_opt.info(spec.optimizer)
+    if boundary_bytes_per_token is None:
+        boundary_bytes_per_token = BOUNDARY_BYTES_PER_TOKEN
     b = chunk_size
     total = steps.active.shape[0]
     n_chunks = total // b
-    per_group = max(1, min(n_chunks, group_tokens // b))
+    carried = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state.params, state.opt_state, state.accumulator)))
+    per_group = 1
+    if carried > b * boundary_bytes_per_token:
+        n_groups = -(-n_chunks // max(1, GROUP_TOKENS // b))
+        per_group = -(-n_chunks // n_groups)   # balanced groups: fewer than n_groups chunks of padding
     n_groups = -(-n_chunks // per_group)
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
-    grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group, b) + x.shape[1:]), padded)
 
     chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, carry, xc))
-    group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
-    final, outputs = jax.lax.scan(group, state, grouped)
-    outputs = outputs.reshape((n_groups * per_group * b,) + outputs.shape[3:])
+    if per_group == 1:
+        chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
+        final, outputs = jax.lax.scan(chunk, state, chunks)
+    else:   # two levels of rematerialisation: an outer scan over groups, the inner scan checkpointed
+        grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group, b) + x.shape[1:]), padded)
+        group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
+        final, outputs = jax.lax.scan(group, state, grouped)
+    outputs = outputs.reshape((n_groups * per_group * b,) + outputs.shape[-1:])
     return final, outputs if pad == 0 else outputs[:total]
 
 
