@@ -30,12 +30,13 @@ DEMO_PROMPT = "ROMEO:\nBut soft, what light"
 # is emulated there, and slower).
 DEMO_SETTINGS = ["size=tiny", "seq_len=128", "batch_size=8", "data.tokenizer=bpe", "data.vocab_size=512",
                  "compute_dtype=float32", "optim.learning_rate=3e-3", "optim.warmup_steps=30",
-                 "log_every=10", "eval_every=100", "checkpoint_every=100", "data.eval_batches=8"]
-DEMO_STEPS = 400
+                 "log_every=10", "eval_every=200", "checkpoint_every=200", "data.eval_batches=8"]
+DEMO_STEPS = 1000
+DEMO_MINUTES = 4.0     # per model, a cap: a model that has not reached DEMO_STEPS by then stops there
 
 
 def run_demo(out_dir="runs/demo", steps: int = DEMO_STEPS, overrides=(), new_tokens: int = 120,
-             progress: bool = True) -> dict:
+             progress: bool = True, minutes_per_model: float = DEMO_MINUTES, presets=None) -> dict:
     import jax
     from jax import random
 
@@ -48,12 +49,18 @@ def run_demo(out_dir="runs/demo", steps: int = DEMO_STEPS, overrides=(), new_tok
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     results, samples = [], []
-    for preset, label in DEMO_MODELS:
+    chosen = [(p, label) for p, label in DEMO_MODELS if presets is None or p in presets]
+    if not chosen:
+        raise ValueError(f"demo: --models must name some of {[p for p, _ in DEMO_MODELS]}")
+    for preset, label in chosen:
         cfg = load_train_config(overrides=[*DEMO_SETTINGS, f"steps={steps}", f"preset={preset}",
                                            f"run_dir={out / preset}", f"progress={str(progress).lower()}",
                                            *overrides])
         started = time.perf_counter()
-        summary = train(cfg)
+        summary = train(cfg, time_budget_s=60 * minutes_per_model)
+        if summary["exit"] != "done":
+            raise SystemExit(f"atlas-jax demo: {label} stopped ({summary['exit']}) at step {summary['steps']}; "
+                             f"rerun the same command to resume")
         seconds = time.perf_counter() - started
         trainer, state, dataset = summary["trainer"], summary["state"], summary["dataset"]
         eval_loss = summary["eval_loss"]
@@ -97,10 +104,15 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"steps per model (default {DEMO_STEPS})")
+    parser.add_argument("--minutes", type=float, default=DEMO_MINUTES,
+                        help=f"training time cap per model in minutes (default {DEMO_MINUTES})")
+    parser.add_argument("--models", default=",".join(p for p, _ in DEMO_MODELS),
+                        help="comma-separated subset of the demo's models (default: all)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="train overrides applied to both runs")
     args = parser.parse_args(argv)
     try:
-        run_demo(args.out, args.steps, args.overrides)
+        run_demo(args.out, args.steps, args.overrides, minutes_per_model=args.minutes,
+                 presets=args.models.split(","))
     except (ConfigError, ValueError) as err:
         print(f"atlas-jax demo: error: {err}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
+import time
 from pathlib import Path
 
 import jax
@@ -241,9 +242,10 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
+def train(cfg: TrainConfig, *, time_budget_s: float | None = None) -> dict:
     """Train (or resume) the run in cfg.run_dir. Returns a summary: steps, final losses, paths.
-    `stop_after` ends the loop after that many steps of this call (tests; the run stays resumable)."""
+    `time_budget_s` (the demo's) ends the run early once this call has trained that long: the step
+    reached is then logged, evaluated and checkpointed like the last one."""
     initialize_distributed(cfg.distributed)
     primary = jax.process_index() == 0
     run_dir = Path(cfg.run_dir).absolute()
@@ -271,16 +273,21 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     stop = _StopRequest()
     stop.install()
     pending, last_record, skipped, exit_reason = [], {}, 0, "done"
-    step = start
+    step, last_step, started = start, cfg.steps, time.perf_counter()
     try:
-        while step < cfg.steps:
+        while step < last_step:
             batch = next(loader)
             state, metrics = trainer.train_step(state, trainer.put_batch(batch))
             step += 1
             pending.append(metrics)
             writer.advance()
-            evaluate = _due(step, cfg.eval_every, cfg.steps)
-            if _due(step, cfg.log_every, cfg.steps) or evaluate or stop.requested:
+            if time_budget_s is not None:
+                jax.block_until_ready(metrics)    # steps dispatch asynchronously: time the finished ones
+                if time.perf_counter() - started > time_budget_s and step < last_step:
+                    last_step = step
+                    writer.message(f"time budget of {time_budget_s:.0f}s spent: ending at step {step} of {cfg.steps}")
+            evaluate = _due(step, cfg.eval_every, last_step)
+            if _due(step, cfg.log_every, last_step) or evaluate or stop.requested:
                 fetched = jax.device_get(pending)
                 pending = []
                 bad = [i for i, m in enumerate(fetched) if not bool(m["finite"])]
@@ -302,14 +309,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
                     if cfg.on_nonfinite == "stop":
                         raise NonFiniteError(text + f"; stopping (on_nonfinite=stop). Metrics: {writer.path}")
                     writer.message("warning: " + text + " (on_nonfinite=skip)")
-            if _due(step, cfg.checkpoint_every, cfg.steps) or stop.requested:
+            if _due(step, cfg.checkpoint_every, last_step) or stop.requested:
                 checkpointer.save(step, state, loader.get_state(), {"preset": cfg.preset, "size": cfg.size})
             if stop.requested:
                 exit_reason = "preempted"
                 writer.message(f"SIGTERM: saved step {step} to {checkpointer.directory}; rerun the same command to resume")
-                break
-            if stop_after is not None and step - start >= stop_after:
-                exit_reason = "stopped"
                 break
     except NonFiniteError as err:
         exit_reason = "nonfinite"
