@@ -21,7 +21,7 @@ import pytest
 
 from atlas_jax.train.config import load_train_config
 from atlas_jax.train.data import build_dataset
-from atlas_jax.train.trainer import Trainer, train
+from atlas_jax.train.trainer import Trainer, load_run, train
 
 SMALL = ["preset=gated_deltanet", "model.num_layers=1", "seq_len=32", "batch_size=4", "data.tokenizer=byte",
          "data.max_documents=40", "progress=false", "compute_dtype=float32", "tensorboard=false"]
@@ -167,3 +167,9 @@ def test_train_in_process_returns_a_summary(tmp_path):
     assert np.isfinite(summary["last"]["eval_loss"]) and summary["unigram_loss"] > 0
     assert list((tmp_path / "tensorboard").iterdir())
     assert (tmp_path / "config.yml").is_file() and (tmp_path / "tokenizer.json").is_file()
+    # what generate loads: the latest checkpoint's parameters in a rebuilt model, and the tokenizer
+    model, tokenizer, step = load_run(tmp_path)
+    assert step == 2 and tokenizer.vocab_size == summary["dataset"].tokenizer.vocab_size
+    tokens = np.asarray(summary["dataset"].eval_batches(1)[0]["tokens"][:2])
+    expected = summary["trainer"].model(jax.device_get(summary["state"]))(tokens)
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(expected))

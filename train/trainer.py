@@ -17,7 +17,7 @@ metrics; the host skips it or stops (`on_nonfinite`).
 """
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import signal
 import time
@@ -39,6 +39,8 @@ from .optim import make_optimizer
 from .sharding import batch_sharding, global_batch_array, make_mesh, replicated, state_shardings
 
 EXIT_NONFINITE = 3
+# optax.tree.norm where it exists (optax >= 0.2.5 warns about the older name)
+_tree_norm = optax.tree.norm if hasattr(optax, "tree") and hasattr(optax.tree, "norm") else optax.tree_utils.tree_l2_norm
 
 
 class NonFiniteError(RuntimeError):
@@ -177,7 +179,7 @@ class Trainer:
         count = jnp.maximum(count, 1.0)
         loss = loss_sum / count
         grads = jax.tree.map(lambda g: g / count, grads)
-        grad_norm = optax.tree_utils.tree_l2_norm(grads)
+        grad_norm = _tree_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
@@ -256,6 +258,10 @@ def train(cfg: TrainConfig, *, time_budget_s: float | None = None) -> dict:
     dataset = _build_dataset_once(cfg, run_dir)
     max_docs = int(max(dataset.train_rows.segments.max(), dataset.eval_rows.segments.max()))
     trainer = Trainer(cfg, dataset.tokenizer.vocab_size, max_docs)
+    if primary:    # what load_run rebuilds the model from
+        (run_dir / "model.json").write_text(json.dumps({"preset": cfg.preset, "size": cfg.size,
+                                                        "vocab_size": dataset.tokenizer.vocab_size,
+                                                        "max_documents": max_docs}))
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                 async_save=cfg.checkpoint.async_save)
     loader = dataset.train_iterator()
@@ -351,3 +357,34 @@ def _build_dataset_once(cfg: TrainConfig, run_dir: Path):
     multihost_utils.sync_global_devices("atlas_jax.train: tokenizer saved")
     return dataset if dataset is not None else build_dataset(cfg.data, run_dir=run_dir, **kwargs)
 
+
+
+def load_run(path):
+    """(model, tokenizer, step) from a run directory (its latest complete checkpoint) or from one
+    checkpoint's directory (run_dir/checkpoints/<step>): what `atlas-jax generate` needs. The model
+    is rebuilt from the run's config.yml and model.json, on this machine's first device."""
+    from .config import config_from_dict
+    from .data import IdsTokenizer
+    from .tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    path = Path(path).absolute()
+    step = None
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        path, step = path.parent.parent, int(path.name)
+    if not (path / "config.yml").is_file():
+        raise ConfigError(f"checkpoint: {path} is not a run directory of atlas-jax train (no config.yml)")
+    values = yaml.safe_load((path / "config.yml").read_text())
+    values.update(mesh={"data": 1, "fsdp": 1, "tensor": 1}, distributed={"enabled": False})
+    cfg = config_from_dict(values)
+    model_info = json.loads((path / "model.json").read_text())
+    tokenizer_data = json.loads((path / TOKENIZER_FILE).read_text())
+    tokenizer = (IdsTokenizer(tokenizer_data["vocab_size"], tokenizer_data["eos_id"])
+                 if tokenizer_data.get("atlas_jax_tokenizer") == "ids" else load_tokenizer(path))
+    trainer = Trainer(cfg, model_info["vocab_size"], model_info["max_documents"], devices=jax.devices()[:1])
+    checkpointer = Checkpointer(path / "checkpoints", keep=cfg.checkpoint.keep, async_save=False)
+    step = checkpointer.latest_step() if step is None else step
+    if step is None:
+        raise ConfigError(f"checkpoint: {path / 'checkpoints'} holds no complete checkpoint")
+    state, _, _ = checkpointer.restore(step, trainer.abstract_sharded_state())
+    checkpointer.close()
+    return trainer.model(state), tokenizer, step
