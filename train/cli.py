@@ -15,7 +15,8 @@ USAGE_EXAMPLE = "atlas-jax train preset=gated_deltanet size=tiny steps=200 run_d
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--config", default=None, help=f"YAML layered over {base_config_path().name} (any subset of its keys)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help=f"YAML layered over configs/{base_config_path().name} (repeatable; later files win)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="overrides, dotted for nested keys, e.g. steps=200 optim.learning_rate=1e-3")
     return parser

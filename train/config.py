@@ -289,8 +289,10 @@ def parse_override(item: str) -> dict:
 
 def load_train_config(config_file=None, overrides=(), base=None) -> TrainConfig:
     values = _read_yaml(base or base_config_path())
-    if config_file is not None:
-        values = _merge(values, _read_yaml(config_file))
+    files = config_file if isinstance(config_file, (list, tuple)) else [config_file]
+    for path in files:    # several --config files layer in order, later wins
+        if path is not None:
+            values = _merge(values, _read_yaml(path))
     for item in overrides:
         values = _merge(values, parse_override(item))
     return _build(TrainConfig, values)

@@ -97,11 +97,7 @@ def format_report(report: dict, samples: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    from .config import ConfigError
-
-    parser = argparse.ArgumentParser(prog="atlas-jax demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"steps per model (default {DEMO_STEPS})")
     parser.add_argument("--minutes", type=float, default=DEMO_MINUTES,
@@ -109,7 +105,13 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(p for p, _ in DEMO_MODELS),
                         help="comma-separated subset of the demo's models (default: all)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="train overrides applied to both runs")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args) -> int:
+    """The `demo` sub-command on parsed arguments (what atlas_jax.cli registers)."""
+    from .config import ConfigError
+
     try:
         run_demo(args.out, args.steps, args.overrides, minutes_per_model=args.minutes,
                  presets=args.models.split(","))
@@ -117,6 +119,12 @@ def main(argv=None) -> int:
         print(f"atlas-jax demo: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="atlas-jax demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run(add_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":
