@@ -322,7 +322,14 @@ def _check_impl(where, impl, chunk_size):
 @partial(jax.jit, static_argnames=("spec", "impl", "chunk_size", "steps"))
 def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, impl, chunk_size, steps):
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-    q, k, v, beta, g, nu, gamma, delta = map(f32, (q, k, v, beta, g, nu, gamma, delta))
+    # The exact family hands q, k, v to the ops as given (bf16 stays bf16 for the kernels, which
+    # keep gates, solves and states in float32); every other path computes in float32.
+    channel_beta_given = beta is not None and beta.ndim == 4 and steps == 1
+    as_given = (impl != "recurrent" and is_exact(spec) and not channel_beta_given
+                and q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating))
+    if not as_given:
+        q, k, v = map(f32, (q, k, v))
+    beta, g, nu, gamma, delta = map(f32, (beta, g, nu, gamma, delta))
     batch, time, heads, _ = q.shape
     n = steps
     fq = spec.feature_map.apply(feature_params, scale * q)

@@ -167,3 +167,18 @@ def test_memory_spec_impl_reaches_that_form(impl):
     per_call = str(jax.make_jaxpr(lambda q, k, v, beta, g: presets.get("gated_deltanet")(
         q, k, v, beta=beta, g=g, impl=impl, chunk_size=16)[0])(q, k, v, beta, g))
     assert ("pallas_call" in per_call) == (impl == "pallas")
+
+
+def test_exact_family_hands_bf16_inputs_to_the_ops_as_given():
+    """bf16 q, k, v reach the kernels as bf16 (float32 gates and states), within bf16 rounding of
+    the float32 call (1e-2 relative, the kernels' bf16 bar)."""
+    q, k, v, beta, g = random_inputs(1, B=1, T=40, H=2, K=16, V=16)
+    spec = presets.get("gated_deltanet")
+    half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    o32, _ = spec(q, k, v, beta=beta, g=g, impl="chunk", chunk_size=16)
+    o16, _ = spec(*half, beta=beta, g=g, impl="chunk", chunk_size=16)
+    assert o16.dtype == jnp.bfloat16
+    assert float(jnp.linalg.norm(o16.astype(jnp.float32) - o32) / jnp.linalg.norm(o32)) < 1e-2
+    text = str(jax.make_jaxpr(lambda *a: spec(*a, beta=beta, g=g, impl="pallas", chunk_size=16)[0])(*half))
+    kernel_inputs = text.split("pallas_call")[1].split("\n")[0]
+    assert "bf16" in text and "pallas_call" in text, kernel_inputs
