@@ -16,16 +16,33 @@ from pathlib import Path
 
 import yaml
 
+from atlas_jax.config import ConfigError as _ProjectConfigError
+
 __all__ = ["ConfigError", "TrainConfig", "DataConfig", "OptimConfig", "MeshConfig",
            "CheckpointConfig", "DistributedConfig", "load_train_config", "base_config_path"]
 
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key."""
+class ConfigError(_ProjectConfigError):
+    """A bad configuration value; the message (one line) names the key. A subclass of the project's
+    ConfigError, so `atlas-jax`'s shared error handling prints it as one line with exit code 2."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+def _configs_dir() -> Path:
+    try:    # the shipped configs, in any install (atlas_jax.configs)
+        from atlas_jax.config import config_dir
+        return Path(config_dir())
+    except (ImportError, OSError, ValueError):
+        return Path(__file__).resolve().parent.parent / "configs"
 
 
 def base_config_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "configs" / "base.yml"
+    return _configs_dir() / "base.yml"
 
 
 def _fail(key: str, message: str):
@@ -188,7 +205,7 @@ def _check_preset(preset: str, size: str):
     names = list(models.names()) if hasattr(models, "names") else None
     if names is not None and preset not in names:
         _fail("preset", f"{preset!r} is not one of {sorted(names)}")
-    sizes_dir = Path(__file__).resolve().parent.parent / "configs" / "sizes"
+    sizes_dir = _configs_dir() / "sizes"
     sizes = sorted(p.stem for p in sizes_dir.glob("*.yml"))
     if sizes and size not in sizes:
         _fail("size", f"{size!r} is not one of {sizes}")
