@@ -139,6 +139,7 @@ def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypa
         assert rel(a, b) < 1e-6, (path, rel(a, b))
 
 
+@pytest.mark.slow
 def test_memora_chunk_end_softmax_map_through_the_dual_form():
     # Outputs and states only: Memora's softmax-then-LayerNorm read amplifies float32 rounding, so
     # its gradients move by ~5e-6 under a 1e-7 relative change of v in the materialising form alone,
@@ -159,6 +160,7 @@ def test_per_chunk_newton_schulz_at_chunk_one_equals_the_recurrent_form():
     assert tree_rel(s_dual, s_rec) < 1e-5
 
 
+@pytest.mark.slow
 def test_muon_per_chunk_ns_differs_from_per_token_ns_beyond_chunk_one():
     token = dataclasses.replace(_spec("atlas"), optimizer=opt.muon(coefficients="cubic"))
     per_chunk = _spec("atlas")
