@@ -16,6 +16,13 @@ b = 1 this is the recurrence exactly; for b > 1 the documented approximation is 
 of a chunk do not see the chunk's own earlier writes. Inner optimizers other than GD, momentum,
 Muon and implicit GD (e.g. ``optax.adam``, least squares) run as a scan over the chunk's steps on
 the same chunk-start gradients (least squares ignores gradients, so its chunked form is exact).
+
+Two implementations of the chunk-start scheme compute the same thing: the **dual form**
+(forms/dual.py; memory O(T·d), never a [chunk, |θ|] tensor) for memories made of linear layers with
+GD / implicit GD / momentum / Muon with ``ns_every="chunk"``, scalar or no decay and chunk-end maps,
+and the **materialising** form below (every step's θ_t of a chunk, rematerialised chunk by chunk in
+the backward pass) for everything else: channel-wise knobs, per-token Newton–Schulz, other optax
+transforms, per-token maps. ``chunked_sequence`` picks between them.
 """
 from __future__ import annotations
 
