@@ -211,7 +211,11 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = jnp.swapaxes(x, -1, -2)
-    x = x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) + eps)
+    # A zero momentum (an empty packed row, a token without gradient) must give a zero direction
+    # and a finite gradient: √ has an infinite derivative at 0, so take it only where it is > 0.
+    sq = jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
+    norm = jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)
+    x = x / (norm + eps)
     for _ in range(steps):
         gram = x @ jnp.swapaxes(x, -1, -2)
         x = a * x + (b * gram + c * gram @ gram) @ x

@@ -70,3 +70,13 @@ def test_least_squares_is_the_mesa_solution():
         S = np.linalg.solve(kn[:t + 1].T @ kn[:t + 1] + 0.5 * np.eye(5), kn[:t + 1].T @ vn[:t + 1])
         assert rel(o[0, t, 0], S.T @ qn[t]) < 1e-5
 
+
+
+def test_newton_schulz_of_a_zero_momentum_has_finite_gradients():
+    """An empty packed row has zero momentum: NS gives 0 and its gradient must be finite (0)."""
+    zero = jnp.zeros((6, 4))
+    assert float(jnp.abs(opt.newton_schulz(zero, 5)).max()) == 0.0
+    grad = jax.grad(lambda m: jnp.sum(opt.newton_schulz(m, 5) * 1.7))(zero)
+    assert bool(jnp.isfinite(grad).all())
+    m = jax.random.normal(jax.random.PRNGKey(0), (6, 4))
+    assert float(jnp.abs(jax.grad(lambda m: jnp.sum(opt.newton_schulz(m, 5)))(m)).max()) > 0
