@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: run test test-all presets clean
+.PHONY: run demo test test-all presets clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 # Main job: the test-time memorisation experiment (table + PNG under results/).
 run: $(STAMP)
 	$(VENV)/bin/atlas-jax memorize $(ARGS)
+
+# Tiny ATLAS and Transformer++ trained the same way on the built-in corpus (runs/demo).
+demo: $(STAMP)
+	$(VENV)/bin/atlas-jax demo --out runs/demo $(ARGS)
 
 # --durations: CI keeps the end of the log, so the slowest tests show there.
 test: $(STAMP)
@@ -28,4 +32,4 @@ presets: $(STAMP)
 	$(VENV)/bin/atlas-jax presets
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results runs .pytest_cache

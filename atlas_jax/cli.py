@@ -6,6 +6,9 @@
                                               every preset on the four axes; with --size, every
                                               model's parameters and memory state per layer
     atlas-jax preset NAME [key=value ...]     one preset's axes, with options applied
+    atlas-jax train [--config FILE ...] [key=value ...]
+                                              pretrain a language model (atlas_jax.train)
+    atlas-jax demo [--out DIR] [--models a,b]  tiny ATLAS vs Transformer++ on the built-in corpus
 
 Every command reads and checks its whole configuration before any work starts: a missing
 ``--config`` file, a value of the wrong type or range, an unknown key or an output folder that
@@ -173,6 +176,29 @@ def _preset(args) -> int:
     print(json.dumps({"preset": args.name, **{k: str(v) for k, v in spec.axes().items()}}, indent=2,
                      ensure_ascii=False))
     return 0
+
+
+def _train_arguments(parser):
+    from atlas_jax.train import cli as train_cli
+    train_cli.add_arguments(parser)
+
+
+@command("train", "pretrain a language model (configs/base.yml, --config FILE, key=value)", _train_arguments)
+def _train(args) -> int:
+    from atlas_jax.train import cli as train_cli
+    return train_cli.run(args)
+
+
+def _demo_arguments(parser):
+    from atlas_jax.train import demo
+    demo.add_arguments(parser)
+
+
+@command("demo", "tiny ATLAS and Transformer++ trained the same way on the built-in corpus, side by side",
+         _demo_arguments)
+def _demo(args) -> int:
+    from atlas_jax.train import demo
+    return demo.run(args)
 
 
 # --------------------------------------------------------------------------------------------------

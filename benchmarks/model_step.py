@@ -27,6 +27,7 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--remat", default="none", help="none | full | dots (the model config's remat)")
     parser.add_argument("--out", default=None, help="folder for model_step.json (default $OUT)")
     args = parser.parse_args(argv)
 
@@ -36,7 +37,8 @@ def main(argv=None):
     from flax import nnx
     from atlas_jax import models
 
-    model = models.build(args.model, args.size, rngs=nnx.Rngs(0), dtype=args.dtype, context_length=args.seq_len)
+    model = models.build(args.model, args.size, rngs=nnx.Rngs(0), dtype=args.dtype, context_length=args.seq_len,
+                         remat=args.remat)
     vocab = model.config.vocab_size
     tokens = jax.random.randint(jax.random.PRNGKey(0), (args.batch, args.seq_len + 1), 0, vocab, jnp.int32)
     graphdef, state = nnx.split(model)
@@ -53,6 +55,7 @@ def main(argv=None):
     compile_s = time.perf_counter() - start
     hlo = compiled.as_text()
     kernels = sorted(set(re.findall(r"\b(delta_(?:intra|state|output|du)[a-z_]*)", hlo)))
+    log(f"compiled in {compile_s:.1f} s; Pallas kernels in the compiled step: {kernels}")
     loss, grads = compiled(state, tokens)
     jax.block_until_ready(grads)
     t0 = time.perf_counter()

@@ -24,23 +24,34 @@ GATE_OF = {"gdn": "scalar", "deltanet": "none", "kda": "channel"}
 
 def import_tree(root=ROOT):
     """Imports atlas_jax from the checkout `root` (not pip-installed on the GPU machine): the
-    package from root/atlas_jax, and atlas_jax.kernels from root/kernels, as pyproject maps it."""
+    package from root/atlas_jax, and atlas_jax.kernels / .train / .configs from root/kernels,
+    root/train and root/configs, as pyproject maps them. The mapping is in place before
+    `import atlas_jax` runs, whose own imports need atlas_jax.kernels."""
+    import importlib.abc
+    import importlib.machinery
+
     root = pathlib.Path(root).resolve()
+    mapped = {"atlas_jax.kernels": root / "kernels", "atlas_jax.train": root / "train",
+              "atlas_jax.configs": root / "configs"}
+
+    class _CheckoutFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            for name, folder in mapped.items():
+                if fullname == name or fullname.startswith(name + "."):
+                    rest = fullname[len(name):].lstrip(".").split(".") if fullname != name else []
+                    location = folder.joinpath(*rest)
+                    init = location / "__init__.py"
+                    if init.is_file():
+                        return importlib.util.spec_from_file_location(
+                            fullname, init, submodule_search_locations=[str(location)])
+                    module = location.with_suffix(".py")
+                    if module.is_file():
+                        return importlib.util.spec_from_file_location(fullname, module)
+            return None
+
     sys.path.insert(0, str(root))
+    sys.meta_path.insert(0, _CheckoutFinder())
     import atlas_jax  # noqa: F401
-    if "atlas_jax.kernels" not in sys.modules:
-        try:
-            import atlas_jax.kernels  # noqa: F401  (an installed package maps it already)
-        except ImportError:
-            pass
-    kernels = sys.modules.get("atlas_jax.kernels")
-    if kernels is None or not str(getattr(kernels, "__file__", "")).startswith(str(root)):
-        spec = importlib.util.spec_from_file_location(
-            "atlas_jax.kernels", root / "kernels" / "__init__.py",
-            submodule_search_locations=[str(root / "kernels")])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["atlas_jax.kernels"] = mod
-        spec.loader.exec_module(mod)
     import atlas_jax.ops
     return atlas_jax.ops
 
