@@ -1,6 +1,6 @@
 """Chunked delta family (DeltaNet, Gated DeltaNet, KDA) as Pallas TPU (Mosaic) kernels.
 
-Per token t, with a float32 state S in R^{K x V} (DESIGN.md section 4):
+Per token t, with a float32 state S in R^{K x V} (flash-linear-attention's semantics):
 
     S <- exp(g_t) * S                 (g None: no decay; [B,T,H]: scalar; [B,T,H,K]: per key row)
     S <- S + beta_t k_t (v_t - S^T k_t)^T
