@@ -66,3 +66,20 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter):
     # -q hides the header; CI keeps the end of the log, so say it there too.
     terminalreporter.write_line(_setup_line())
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each test module's compiled programs are dropped after it: a pytest-xdist worker runs
+    modules of every layer (kernels in interpret mode, models, training) one after another, and
+    their executables would otherwise pile up in one process (a worker that had run ~200 tests
+    crashed in XLA's CPU compiler on the next large interpret-mode kernel)."""
+    yield
+    import jax
+    jax.clear_caches()
+    gc.collect()
