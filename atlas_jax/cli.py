@@ -9,6 +9,8 @@
     atlas-jax train [--config FILE ...] [key=value ...]
                                               pretrain a language model (atlas_jax.train)
     atlas-jax demo [--out DIR] [--models a,b]  tiny ATLAS vs Transformer++ on the built-in corpus
+    atlas-jax generate --checkpoint DIR --prompt TEXT [--max-new-tokens N --temperature T --top-p P]
+                                              continue a prompt with a trained model
 
 Every command reads and checks its whole configuration before any work starts: a missing
 ``--config`` file, a value of the wrong type or range, an unknown key or an output folder that
@@ -199,6 +201,42 @@ def _demo_arguments(parser):
 def _demo(args) -> int:
     from atlas_jax.train import demo
     return demo.run(args)
+
+
+def _generate_arguments(parser):
+    parser.add_argument("--checkpoint", required=True,
+                        help="a run directory of atlas-jax train (its latest checkpoint) or one checkpoint's directory")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+@command("generate", "continue a prompt with a trained model (prefill, then decode on its recurrent state)",
+         _generate_arguments)
+def _generate(args) -> int:
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be an int >= 1")
+    import jax
+    import jax.numpy as jnp
+
+    from atlas_jax import models
+    from atlas_jax.train.trainer import load_run
+
+    model, tokenizer, _ = load_run(args.checkpoint)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ConfigError("--prompt: encodes to no tokens; give some text")
+    try:
+        new = models.generate(model, jnp.asarray(prompt, jnp.int32), args.max_new_tokens,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              rng=jax.random.PRNGKey(args.seed))
+    except ValueError as err:   # sampling settings that do not fit
+        raise ConfigError(str(err)) from None
+    print(args.prompt + tokenizer.decode([int(t) for t in jax.device_get(new)]))
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------

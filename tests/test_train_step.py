@@ -16,6 +16,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -159,7 +160,7 @@ def test_on_nonfinite_stop_writes_metrics_and_says_so(tmp_path, cache_env):
     assert None in (records[-1]["loss"], records[-1]["grad_norm"]) and records[-1]["step"] < 6
 
 
-def test_train_in_process_returns_a_summary(tmp_path):
+def test_train_in_process_returns_a_summary(tmp_path, capsys):
     cfg = load_train_config(overrides=SMALL + ["steps=2", "log_every=1", "eval_every=2", f"run_dir={tmp_path}",
                                                "tensorboard=true"])
     summary = train(cfg)
@@ -173,3 +174,12 @@ def test_train_in_process_returns_a_summary(tmp_path):
     tokens = np.asarray(summary["dataset"].eval_batches(1)[0]["tokens"][:2])
     expected = summary["trainer"].model(jax.device_get(summary["state"]))(tokens)
     np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(expected))
+    # atlas-jax generate on the run directory: greedy continues the prompt as models.generate does
+    from atlas_jax import models
+    from atlas_jax.cli import main as cli_main
+    assert cli_main(["generate", "--checkpoint", str(tmp_path), "--prompt", "ROMEO:", "--max-new-tokens", "5",
+                     "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out.strip()
+    greedy = models.generate(model, jnp.asarray(tokenizer.encode("ROMEO:"), jnp.int32), 5, temperature=0.0)
+    assert printed == "ROMEO:" + tokenizer.decode([int(t) for t in greedy])
+    assert cli_main(["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
