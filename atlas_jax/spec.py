@@ -324,9 +324,14 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     # The exact family hands q, k, v to the ops as given (bf16 stays bf16 for the kernels, which
     # keep gates, solves and states in float32); every other path computes in float32.
-    channel_beta_given = beta is not None and beta.ndim == 4 and steps == 1
-    as_given = (impl != "recurrent" and is_exact(spec) and not channel_beta_given
-                and q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating))
+    # A channel-wise β ([B, T, H, d] with one step per token) is outside the WY (delta-rule) family:
+    # the chunk-start form runs it.
+    channel_beta = beta is not None and beta.ndim == 4 and steps == 1
+    if impl == "pallas" and channel_beta:
+        raise NotImplementedError("MemorySpec: impl='pallas': the delta-family kernels take a [B, T, H] beta; a "
+                                  "channel-wise beta runs with impl='chunk' (the chunk-start form) or 'recurrent'")
+    exact_path = impl != "recurrent" and is_exact(spec) and not channel_beta
+    as_given = exact_path and q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating)
     if not as_given:
         q, k, v = map(f32, (q, k, v))
     beta, g, nu, gamma, delta = map(f32, (beta, g, nu, gamma, delta))
@@ -355,7 +360,7 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     first = (jnp.arange(n) == 0)
     to_steps = lambda x: None if x is None else jnp.swapaxes(x, 2, 3).reshape((batch, time * n, heads) + x.shape[4:])
     per_step = lambda x: None if x is None else to_steps(jnp.broadcast_to(x[:, :, :, None], (batch, time, heads, n) + x.shape[3:]))
-    per_inner_step = beta is not None and beta.ndim == 4 and n > 1   # else [B, T, H, d] is channel-wise
+    per_inner_step = beta is not None and beta.ndim == 4 and not channel_beta
     beta_steps = None if beta is None else (to_steps(beta[..., None])[..., 0] if per_inner_step else per_step(beta))
     g_steps = None
     if g is not None:   # the decay acts once per token, on its first inner step
@@ -367,12 +372,7 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
                       window_gates=per_step(window_gates))
     emit = slice(n - 1, None, n)
 
-    # A channel-wise β is outside the WY (delta-rule) family: the chunk-start form runs it.
-    channel_beta = beta_steps is not None and beta_steps.ndim == 4
-    if impl == "pallas" and channel_beta:
-        raise NotImplementedError("MemorySpec: impl='pallas': the delta-family kernels take a [B, T, H] beta; a "
-                                  "channel-wise beta runs with impl='chunk' (the chunk-start form) or 'recurrent'")
-    if impl != "recurrent" and is_exact(spec) and not channel_beta:
+    if exact_path:
         o, params = exact_chunked(spec, state.params, steps_bsh, chunk_size=chunk_size, impl=impl)
         final = MemoryState(params, state.opt_state, None, None)
         return o[:, emit], final
