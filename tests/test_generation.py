@@ -32,6 +32,8 @@ def _reforward_greedy(model, prompt, new):
 # swa's window (16) is shorter than prompt + new tokens, so its ring buffer wraps.
 @pytest.mark.parametrize("name,overrides", [
     ("gated_deltanet", {"chunk_size": 8}),
+    ("gated_deltanet", {"chunk_size": 8, "expand_v": 2}),       # fla's GatedDeltaNet: V = 2K per head
+    ("titans", {"chunk_size": 1, "expand_v": 2}),
     ("transformer", {}),
     ("swa", {}),
     ("titans_mag", {"chunk_size": 1}),

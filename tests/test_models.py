@@ -163,6 +163,7 @@ def test_param_count_counts_tied_embedding_once():
 def test_memory_state_size():
     gdn = memory_state_size("gated_deltanet", "tiny")
     assert gdn["theta"] == 4 * 16 * 16 and gdn["optimizer"] == 0 and gdn["memory_layers"] == 2
+    assert memory_state_size("gated_deltanet", "tiny", expand_v=2)["theta"] == 4 * 16 * 32
     titans = memory_state_size("titans", "tiny")
     assert titans["optimizer"] == titans["theta"] > 0          # momentum has θ's shape
     assert memory_state_size("transformer", "tiny")["total"] == 0
@@ -179,6 +180,8 @@ def test_memory_state_size():
     (lambda: build("moneta_h", "tiny", rngs=nnx.Rngs(0), num_layers=3), r"num_layers=3 must be even"),
     (lambda: build("titans_mac", "tiny", rngs=nnx.Rngs(0), mac_segment=100), r"mac_segment=100 is larger than context_length=64"),
     (lambda: build("atlas", "tiny", rngs=nnx.Rngs(0), preset_options={"windw": 2}), r"unknown option\(s\) \['windw'\]"),
+    (lambda: build("gated_deltanet", "tiny", rngs=nnx.Rngs(0), expand_v=0.3), r"expand_v=0.3 must make expand_v · head_dim \(16\) a whole number"),
+    (lambda: build("titans_mag", "tiny", rngs=nnx.Rngs(0), expand_v=2), r"expand_v=2 needs kind 'memory'"),
     (lambda: build("titans", "tiny", rngs=nnx.Rngs(0), impl="pallas"), r"impl='pallas' covers the exact delta family only.*choose impl in \['auto', 'chunk', 'recurrent'\]"),
 ])
 def test_bad_config_raises_clear_error(call, match):

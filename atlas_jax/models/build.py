@@ -112,8 +112,8 @@ def memory_state_size(name: str, size: str = "tiny", **overrides) -> dict:
     spec = _spec(cfg)
     if spec is None or not hasattr(spec, "init_state"):
         return {"theta": 0, "optimizer": 0, "other": 0, "total": 0, "memory_layers": 0}
-    d = cfg.head_dim
-    state = jax.eval_shape(lambda: spec.init_state(jax.random.PRNGKey(0), batch=1, heads=cfg.num_heads, d_k=d, d_v=d))
+    d, d_v = cfg.head_dim, int(cfg.head_dim * cfg.expand_v)
+    state = jax.eval_shape(lambda: spec.init_state(jax.random.PRNGKey(0), batch=1, heads=cfg.num_heads, d_k=d, d_v=d_v))
     count = lambda tree: int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
     theta, opt = count(state.params), count(state.opt_state)
     other = count(state.accumulator) + count(state.window)

@@ -84,6 +84,7 @@ class ModelConfig:
     memory_init: str = "shared"          # learnable θ_0 of deep memories: per_head | shared | fixed
     max_documents: int = 8               # packed rows: at most this many documents per row
     step_size_max: float | None = None   # β = step_size_max·sigmoid(·); None: 1 (linear), 1e-3 (deep)
+    expand_v: float = 1                  # value head width = expand_v · head_dim (fla's expand_v)
     # numerics and compilation
     dtype: str = "float32"               # compute dtype (bfloat16 for training on accelerators)
     param_dtype: str = "float32"
@@ -123,6 +124,13 @@ class ModelConfig:
                              f"context_length={self.context_length}; allowed: 1..{self.context_length}")
         if self.step_size_max is not None and not (isinstance(self.step_size_max, (int, float)) and self.step_size_max > 0):
             raise ValueError(f"model config: step_size_max must be a float > 0 or null, got {self.step_size_max!r}")
+        value_dim = self.head_dim * self.expand_v if isinstance(self.expand_v, (int, float)) else 0
+        if isinstance(self.expand_v, bool) or value_dim < 1 or value_dim != int(value_dim):
+            raise ValueError(f"model config: expand_v={self.expand_v!r} must make expand_v · head_dim "
+                             f"({self.head_dim}) a whole number >= 1, e.g. 1 or 2")
+        if self.expand_v != 1 and self.kind != "memory":
+            raise ValueError(f"model config: expand_v={self.expand_v} needs kind 'memory' (a pure memory model); "
+                             f"kind {self.kind!r} mixes the memory with attention heads of width {self.head_dim}")
         if not isinstance(self.preset_options, tuple):
             raise ValueError("model config: preset_options must be a tuple of (key, value) pairs "
                              "(build() converts a dict)")

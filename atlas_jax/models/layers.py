@@ -288,18 +288,22 @@ class MemoryLayer(nnx.Module):
 
     def __init__(self, spec, *, width: int, heads: int, impl: str = "auto", chunk_size: int = 64,
                  conv_size: int = 4, gate_rank: int = 16, memory_init: str = "shared", max_documents: int = 8,
-                 step_size_max: float | None = None, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+                 step_size_max: float | None = None, expand_v: float = 1, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
         self.spec, self.impl, self.chunk_size, self.max_documents = spec, impl, chunk_size, max_documents
         self.heads, self.head_dim, self.dtype = heads, width // heads, dtype
+        # fla's expand_v: value heads wider than the key heads (V = expand_v · K per head).
+        self.value_dim = int(self.head_dim * expand_v)
         closed = isinstance(spec, ClosedForm)
         linear_memory = closed or isinstance(spec.memory, LinearMemory)
         self.steps = 1 if closed else spec.steps
-        d, n = self.head_dim, self.steps
+        d, dv, n = self.head_dim, self.value_dim, self.steps
         linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj, self.k_proj, self.v_proj = linear(width, heads * d), linear(width, heads * n * d), linear(width, heads * n * d)
-        self.conv = ShortConv(heads * d * (1 + 2 * n), conv_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype) if conv_size else None
-        self.out_norm = nnx.RMSNorm(d, epsilon=1e-6, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
-        self.out_gate, self.o_proj = linear(width, heads * d), linear(heads * d, width)
+        self.q_proj, self.k_proj, self.v_proj = linear(width, heads * d), linear(width, heads * n * d), linear(width, heads * n * dv)
+        channels = heads * (d + n * d + n * dv)
+        self.conv = ShortConv(channels, conv_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype) if conv_size else None
+        self.out_norm = nnx.RMSNorm(dv, epsilon=1e-6, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+        self.out_gate, self.o_proj = linear(width, heads * dv), linear(heads * dv, width)
         # Deep memories read M(φ(q)) with the keys' scale; a linear read only rescales the output.
         self.scale = d ** -0.5 if linear_memory else 1.0
 
@@ -347,12 +351,12 @@ class MemoryLayer(nnx.Module):
     def _init_theta0(self, key, memory_init, param_dtype):
         """θ_0 (the retention accumulator when retention has a map): per head [H, ...], one shared
         by all heads, or fixed (drawn once, not trained)."""
-        spec, d = self.spec, self.head_dim
+        spec, d, dv = self.spec, self.head_dim, self.value_dim
         d_in = spec.feature_dim(d)
         if memory_init == "per_head":
-            raw = jax.vmap(lambda kk: spec.memory.init(kk, d_in, d))(jax.random.split(key, self.heads))
+            raw = jax.vmap(lambda kk: spec.memory.init(kk, d_in, dv))(jax.random.split(key, self.heads))
         else:
-            raw = spec.memory.init(key, d_in, d)
+            raw = spec.memory.init(key, d_in, dv)
         kind = nnx.Param if memory_init != "fixed" else nnx.Variable
         self.theta_keys = tuple(sorted(raw))
         self.theta_per_head = memory_init == "per_head"
@@ -374,11 +378,12 @@ class MemoryLayer(nnx.Module):
 
     def _split(self, qkv, x):
         batch, time = x.shape[:2]
-        h, d, n = self.heads, self.head_dim, self.steps
+        h, d, dv, n = self.heads, self.head_dim, self.value_dim, self.steps
         q, k, v = jnp.split(qkv, [h * d, h * d + h * n * d], axis=-1)
         q = l2_normalize(q.reshape(batch, time, h, d))
-        shape = (batch, time, h, n, d) if n > 1 else (batch, time, h, d)
-        k, v = l2_normalize(k.reshape(shape)), v.reshape(shape)
+        steps = (n,) if n > 1 else ()
+        k = l2_normalize(k.reshape((batch, time, h, *steps, d)))
+        v = v.reshape((batch, time, h, *steps, dv))
         return q, k, v, self._knobs(x)
 
     def _knobs(self, x):
