@@ -28,7 +28,7 @@ def test_demo_pipeline_on_the_baseline(tmp_path, capsys):
                    "(feature_coeffs, theta0_*) and ~10-100 s per step on 2 CPU cores; see the training report")
 def test_full_demo_atlas_beats_the_unigram_baseline(tmp_path):
     report = run_demo(tmp_path, progress=False)
-    assert [r["preset"] for r in report["models"]] == [p for p, _ in DEMO_MODELS]
+    assert [r["preset"] for r in report["models"]] == [m[0] for m in DEMO_MODELS]
     atlas = report["models"][0]
     assert atlas["eval_perplexity"] < 0.5 * report["unigram_perplexity"]
     assert sum(r["seconds"] for r in report["models"]) < 600
