@@ -24,7 +24,8 @@ field typed as another dataclass (``optimizer.lr=3e-4`` on the command line)::
 
 Type hints understood: ``int``, ``float``, ``bool``, ``str``, ``pathlib.Path``, ``Literal[...]``,
 ``X | None``, ``tuple[X, ...]`` and ``tuple[X, Y]`` (YAML lists become tuples), bare ``tuple``,
-``typing.Any`` (unchecked) and a dataclass (a section; a plain dataclass such as a model config
+``typing.Any`` (unchecked), ``dict`` (a free mapping, merged key by key across layers, its entries
+unchecked) and a dataclass (a section; a plain dataclass such as a model config
 works too, its own ``__post_init__`` ValueErrors are reported as config errors). What each accepts:
 
 * int: ints, and integral floats or numeric strings (``steps=1e5``: PyYAML reads 1e5 as a string);
@@ -128,6 +129,8 @@ class ConfigError(ValueError):
 
     def __init__(self, problem: str, *, key: str | None = None, value=_UNSET, source: str | None = None,
                  raw: str | None = None):
+        if key is None and problem.startswith("config: "):    # a message already in the one-line form
+            problem = problem[len("config: "):]
         self.problem, self.key, self.value, self.source, self.raw = problem, key, value, source, raw
         super().__init__(problem)
 
@@ -184,7 +187,7 @@ class _Rule:
     le: float | None = None
     lt: float | None = None
     choices: Any = None                  # an iterable, or a callable returning one (read lazily)
-    nonempty: bool = False               # tuples: at least one entry
+    nonempty: bool = False               # tuples: at least one entry; strings: not ""
     output_dir: bool = False             # a folder the command writes into (checked by load_config)
     must_exist: str | None = None        # "file", "dir" or "any": an input path (checked by load_config)
 
@@ -200,8 +203,9 @@ _NO_RULE = _Rule()
 def setting(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, ge=None, gt=None, le=None,
             lt=None, choices=None, nonempty: bool = False, output_dir: bool = False, must_exist=None):
     """A dataclass field with its checks: numeric bounds (``ge gt le lt``), ``choices`` (an iterable
-    or a callable returning one), ``nonempty`` tuples, ``output_dir`` (a folder the command will write
-    into) or ``must_exist`` ("file", "dir" or "any": an input path). List defaults become tuples."""
+    or a callable returning one), ``nonempty`` tuples or strings, ``output_dir`` (a folder the command
+    will write into) or ``must_exist`` ("file", "dir" or "any": an input path). List defaults become
+    tuples."""
     if must_exist not in (None, "file", "dir", "any"):
         raise TypeError(f"setting: must_exist must be 'file', 'dir' or 'any', got {must_exist!r}")
     if isinstance(default, list):
@@ -299,8 +303,10 @@ def _describe(hint, rule: _Rule) -> str:
     if choices is not None:
         return "one of: " + ", ".join(show(c) for c in choices)
     bounds = _bounds(rule)
-    name = {int: "an int", float: "a number", bool: "true or false", str: "a string", Path: "a path"}.get(
-        hint, getattr(hint, "__name__", str(hint)))
+    name = {int: "an int", float: "a number", bool: "true or false", str: "a string", Path: "a path",
+            dict: "a mapping of key: value"}.get(origin or hint, getattr(hint, "__name__", str(hint)))
+    if hint is str and rule.nonempty:
+        name = "a non-empty string"
     return f"{name} {bounds}" if bounds and hint in (int, float) else name
 
 
@@ -379,7 +385,7 @@ def _scalar(hint, value, rule: _Rule):
     elif hint is str:
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)
-        if not isinstance(value, str):
+        if not isinstance(value, str) or (rule.nonempty and not value):
             raise bad()
         out = value
     elif hint is Path:
@@ -805,6 +811,8 @@ def to_dict(cfg) -> dict:
             return {f.name: plain(getattr(value, f.name)) for f in _fields(type(value))}
         if isinstance(value, (list, tuple)):
             return [plain(v) for v in value]
+        if isinstance(value, Mapping):
+            return {k: plain(v) for k, v in value.items()}
         if isinstance(value, Path):
             return str(value)
         return value

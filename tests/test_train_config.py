@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax.train.cli import main as train_main
-from atlas_jax.train.config import ConfigError, MeshConfig, OptimConfig, TrainConfig, load_train_config
+from atlas_jax.train.config import (ConfigError, MeshConfig, OptimConfig, TrainConfig, config_from_dict,
+                                    load_train_config)
 from atlas_jax.train.optim import decay_mask, learning_rate_schedule, make_optimizer
 from atlas_jax.train.sharding import logical_to_spec, make_mesh, mesh_shape
 
@@ -34,31 +35,33 @@ def test_config_file_layer(tmp_path):
 
 
 @pytest.mark.parametrize("override, key, allowed", [
-    ("stepz=3", "stepz", "valid keys"),
-    ("optim.lr=1", "optim.lr", "learning_rate"),
+    ("stepz=3", "'stepz'", "Valid keys: preset, size, steps"),
+    ("optim.lr=1", "'optim.lr'", "valid keys in optim: learning_rate"),
     ("steps=0", "steps", ">= 1"),
-    ("steps=ten", "steps", "must be int"),
-    ("batch_size=2.5", "batch_size", "must be int"),
+    ("steps=ten", "steps", "must be an int >= 1"),
+    ("batch_size=2.5", "batch_size", "must be an int >= 1"),
     ("compute_dtype=float16", "compute_dtype", "bfloat16"),
     ("remat=some", "remat", "dots"),
     ("on_nonfinite=ignore", "on_nonfinite", "skip"),
     ("data.tokenizer=wordpiece", "data.tokenizer", "bpe"),
     ("data.format=csv", "data.format", "parquet"),
-    ("data.eval_fraction=0.9", "data.eval_fraction", "(0, 0.5)"),
+    ("data.eval_fraction=0.9", "data.eval_fraction", "> 0 and < 0.5"),
     ("optim.learning_rate=-1", "optim.learning_rate", "> 0"),
-    ("optim.b2=1.5", "optim.b2", "[0, 1]"),
+    ("optim.b2=1.5", "optim.b2", ">= 0 and <= 1"),
     ("mesh.tensor=0", "mesh.tensor", "-1"),
+    ("mesh.fsdp=-1", "mesh.fsdp", "at most one of data, fsdp, tensor may be -1"),
     ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
     ("preset=gpt5", "preset", "gated_deltanet"),
     ("size=7b", "size", "170m"),
     ("model=3", "model", "mapping"),
     ("optim.grad_accum=3", "optim.grad_accum", "batch_size=16"),
+    ("run_dir=", "run_dir", "non-empty"),
 ])
 def test_each_bad_value_names_its_key(override, key, allowed):
     with pytest.raises(ConfigError) as err:
         load_train_config(overrides=[override])
     message = str(err.value)
-    assert f"config: {key}" in message and allowed in message and "\n" not in message
+    assert message.startswith("config: ") and key in message and allowed in message and "\n" not in message
 
 
 def test_cli_errors_are_one_line_and_exit_2(capsys, tmp_path):
@@ -69,7 +72,37 @@ def test_cli_errors_are_one_line_and_exit_2(capsys, tmp_path):
         err = capsys.readouterr().err.strip()
         assert err.startswith("atlas-jax train: error:") and "\n" not in err, err
     assert train_main(["--config", str(tmp_path / "none.yml")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "--config " + str(tmp_path / "none.yml") + ": no such file" in capsys.readouterr().err
+
+
+def test_one_config_error_class_for_train_and_library(capsys, tmp_path):
+    from atlas_jax import config as library
+    from atlas_jax.cli import main as atlas_main
+    assert ConfigError is library.ConfigError
+    # one-line messages written with their own "config: " prefix (train/data.py, sharding.py) keep one
+    assert str(ConfigError("config: batch_size: too big")) == "config: batch_size: too big"
+    # a train key, a missing --config file, a key given twice on the command line (in code the last
+    # one wins, so that callers can put the user's overrides after their own): same class, same exit
+    with pytest.raises(library.ConfigError):
+        load_train_config(overrides=["stepz=1"])
+    with pytest.raises(library.ConfigError):
+        load_train_config([tmp_path / "none.yml"])
+    assert load_train_config(overrides=["steps=1", "steps=2"]).steps == 2
+    for argv in (["stepz=1"], ["--config", str(tmp_path / "none.yml")], ["steps=1", "steps=2"]):
+        assert atlas_main(["train", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("atlas-jax train: error: config: ") and "\n" not in err, err
+
+
+def test_layers_merge_the_model_section_and_round_trip(tmp_path):
+    path = tmp_path / "mine.yml"
+    path.write_text("model:\n  num_layers: 1\n  preset_options: {ns_every: 2}\ndata:\n  source: corpus.txt\n")
+    cfg = load_train_config(path, ["model.preset_options.ns_every=4", "mesh.data=1", r"data.text_separator=\n\n"])
+    assert cfg.model == {"num_layers": 1, "preset_options": {"ns_every": 4}}
+    assert (cfg.data.source, cfg.data.text_separator, cfg.mesh.data) == ("corpus.txt", "\n\n", 1)
+    assert config_from_dict(cfg.to_dict()) == cfg
+    path.write_text("model:\n")    # an empty section is no overrides
+    assert load_train_config(path).model == {}
 
 
 def test_cli_exit_code_in_a_process(tmp_path):
@@ -77,7 +110,7 @@ def test_cli_exit_code_in_a_process(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"atlas-jax train: error: data.source: '{tmp_path}/nothing.jsonl' does not exist "
+        f"atlas-jax train: error: config: data.source: '{tmp_path}/nothing.jsonl' does not exist "
         "(give 'builtin', a file, a directory or a glob)"]
 
 

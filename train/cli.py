@@ -9,14 +9,15 @@ import argparse
 import math
 import sys
 
-from .config import ConfigError, base_config_path
+from atlas_jax.config import ConfigError, parse_overrides
 
 USAGE_EXAMPLE = "atlas-jax train preset=gated_deltanet size=tiny steps=200 run_dir=runs/gdn optim.learning_rate=1e-3"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
-                        help=f"YAML layered over configs/{base_config_path().name} (repeatable; later files win)")
+                        help="YAML layered over configs/base.yml (repeatable; later files win; a shipped "
+                             "one such as configs/experiments/... works from any directory)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="overrides, dotted for nested keys, e.g. steps=200 optim.learning_rate=1e-3")
     return parser
@@ -28,6 +29,7 @@ def run(args) -> int:
     from .trainer import NonFiniteError, EXIT_NONFINITE, train
 
     try:
+        parse_overrides(args.overrides)    # a malformed or repeated key=value: the library's one-line error
         cfg = load_train_config(args.config, args.overrides)
         summary = train(cfg)
     except NonFiniteError as err:
