@@ -8,6 +8,7 @@ tests that need a real GPU are marked `gpu`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -334,6 +335,41 @@ def test_head_dims_128_and_256(gate, K, V, dtype):
     check_all(args, w, 1e-5 if dtype == jnp.float32 else 1e-2)
 
 
+# Value head dim twice the key's (fla's GatedDeltaNet: K = 256, expand_v = 2, V = 512): every
+# kernel tiles V; here at K = 16, V = 32 with every V tile at 16, so each kernel runs its V loop
+# or V grid axis twice, and U0 goes in V pieces in the one-kernel K1 and with in-kernel
+# normalisation (the paths that held a whole row block of v).
+V_TILES = dict(block_v=16, block_v_bwd=16, block_v_out=16, block_wu=16, block_wu_channel=16)
+
+
+@pytest.mark.parametrize("gate,bs,normalize", [
+    ("scalar", GpuBlockSizes(**V_TILES), True),
+    ("none", dataclasses.replace(LEGACY, **V_TILES), False),
+    ("channel", GpuBlockSizes(split_intra=False, **V_TILES), False)],
+    ids=["scalar-split-normalize", "none-one-k1", "channel-one-k1"])
+def test_value_head_dim_twice_key_in_v_tiles(gate, bs, normalize):
+    args, w = make(23, gate=gate, K=16, V=32, T_=41)
+    q, k = 2.0 * args[0], 1.5 * args[1]           # not unit norm: the normalisation matters
+    args = [q, k] + list(args[2:])
+
+    def l2(x):
+        return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+    def inside(*a):
+        return pallas(*a, block_sizes=bs, normalize_qk=normalize)
+
+    def outside(q, k, *a):
+        return reference(l2(q), l2(k), *a) if normalize else reference(q, k, *a)
+
+    o1, s1 = inside(*args)
+    o2, s2 = outside(*args)
+    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5, (rel(o1, o2), rel(s1, s2))
+    argnums, g1 = grads(inside, args, w)
+    _, g2 = grads(outside, args, w)
+    for i, a, b in zip(argnums, g1, g2):
+        assert rel(a, b) < 1e-5, (NAMES[i], rel(a, b))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("chunk", [32, 64])
@@ -479,6 +515,12 @@ def test_triton_lowering_varlen_normalize():
     check_lowering(7, "scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True, normalize=True)
 
 
+@pytest.mark.parametrize("gate", GATES)
+def test_triton_lowering_value_head_dim_512(gate):
+    """K = 256, V = 512 (fla's GatedDeltaNet with expand_v = 2), default block sizes."""
+    check_lowering(10, gate, 256, 512, jnp.bfloat16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("K", [64, 128, 256])
@@ -564,6 +606,36 @@ def test_gpu_compiled_layouts_and_gates(gate, case):
             outs.append(o)
             states.append(s[0])
         return jnp.concatenate(outs, axis=1), jnp.stack(states)
+
+    o1, s1 = run(*args)
+    o2, s2 = ref(*args)
+    assert rel(o1, o2) < tol and rel(s1, s2) < tol, (rel(o1, o2), rel(s1, s2))
+    argnums, g1 = grads(run, args, w)
+    _, g2 = grads(ref, args, w)
+    for i, a, b in zip(argnums, g1, g2):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
+        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_gpu_value_head_dim_512(gate, dtype, tol):
+    """fla's GatedDeltaNet head shape: 4 heads, K = 256, V = 512 (expand_v = 2), default block
+    sizes, odd T, initial state, against the float32 scan."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args, w = make(24, gate=gate, K=256, V=512, T_=201, B_=1, H_=4)
+    args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
+
+    def run(*a):
+        return chunk_delta_family_gpu(*a[:5], scale=SCALE, initial_state=a[5],
+                                      output_final_state=True, chunk_size=64, interpret=False)
+
+    def ref(*a):
+        return recurrent_delta_family(*[None if x is None else x.astype(jnp.float32)
+                                        for x in a[:5]], scale=SCALE, initial_state=a[5],
+                                      output_final_state=True)
 
     o1, s1 = run(*args)
     o2, s2 = ref(*args)

@@ -213,6 +213,28 @@ def test_lowers_to_mosaic_for_tpu(dtype):
         assert calls == (2 if fused else 5), (gate, fused, packed, calls)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_lowers_to_mosaic_at_value_head_dim_512(fused):
+    """fla's GatedDeltaNet head shape (K = 256, V = 512) lowers to Mosaic, fused (the whole
+    [K, V] state in VMEM) and unfused (V in 128-wide state tiles)."""
+    export = pytest.importorskip("jax.export")
+    b, t, h, kd, vd = 1, 100, 1, 256, 512
+    xk = jax.ShapeDtypeStruct((b, t, h, kd), jnp.bfloat16)
+    xv = jax.ShapeDtypeStruct((b, t, h, vd), jnp.bfloat16)
+    sc = jax.ShapeDtypeStruct((b, t, h), jnp.float32)
+    s0 = jax.ShapeDtypeStruct((b, h, kd, vd), jnp.float32)
+
+    def loss(q, k, v, beta, g, s0):
+        o, s = chunk_delta_family_tpu(q, k, v, beta, g, initial_state=s0,
+                                      output_final_state=True, interpret=False,
+                                      block_sizes=BlockSizes(fused=fused))
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s)
+
+    exp = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))),
+                        platforms=["tpu"])(xk, xk, xv, sc, sc, s0)
+    assert exp.mlir_module().count("tpu_custom_call") == (2 if fused else 5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument checks (no kernel runs)
 

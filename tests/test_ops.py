@@ -317,6 +317,36 @@ def test_pallas_rejects_what_the_kernels_do_not_cover():
     assert rel(o_auto, o_chunk) == 0.0
 
 
+@pytest.mark.parametrize("op", ["delta_rule", "gated_delta_rule", "kda"])
+def test_value_head_dim_512_xla_forms_and_kernel_coverage(op):
+    """fla's GatedDeltaNet head shape (K = 256, expand_v = 2: V = 512): the recurrent and chunk
+    forms against the float64 loop (a few tokens, one head), and the kernels cover it on GPU
+    (V = 512 with K in the GPU head dims; K = 512 stays out)."""
+    from atlas_jax.kernels.delta_family import support
+    gate = {"delta_rule": "none", "gated_delta_rule": "scalar", "kda": "channel"}[op]
+    rng = np.random.default_rng(31)
+    b, t, h, kd, vd = 1, 9, 1, 256, 512
+    q = jnp.asarray(rng.standard_normal((b, t, h, kd)), jnp.float32)
+    k = rng.standard_normal((b, t, h, kd))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, t, h, vd)), jnp.float32)
+    beta = jnp.asarray(rng.random((b, t, h)), jnp.float32)
+    g = {"none": None, "scalar": -jnp.asarray(rng.random((b, t, h)), jnp.float32),
+         "channel": -jnp.asarray(rng.random((b, t, h, kd)), jnp.float32)}[gate]
+    s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
+    o_ref, s_ref = reference(q, k, v, beta, g, s0, delta=True, scale=kd ** -0.5)
+    fn = getattr(ops, op)
+    args = (q, k, v, beta) if g is None else (q, k, v, g, beta)
+    for impl in ("recurrent", "chunk"):
+        o, s = fn(*args, initial_state=s0, output_final_state=True, impl=impl, chunk_size=4)
+        assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5, impl
+    call_ = support.DeltaCall(B=b, T=t, H=h, K=kd, V=vd, n_states=b, gate=gate)
+    f32 = (jnp.dtype(jnp.float32),) * 3
+    assert support.kernel_gap(call_, f32, 64, delta=True, interpret=False) is None
+    wide_k = support.DeltaCall(B=b, T=t, H=h, K=vd, V=kd, n_states=b, gate=gate)
+    assert "K=512" in support.kernel_gap(wide_k, f32, 64, delta=True, interpret=False)
+
+
 @pytest.mark.parametrize("impl", ["recurrent", "chunk", "pallas"])
 def test_packed_sequences_equal_separate_runs(impl):
     q, k, v, beta, g, _ = _pallas_inputs(13, "scalar", T=45)

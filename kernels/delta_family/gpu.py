@@ -59,7 +59,9 @@ between those versions.
 
 Supported: forward and backward (gradients for q, k, v, beta, g and the initial state;
 final-state cotangent), bf16 or float32 inputs (float32 accumulation, float32 solves/states),
-head dims support.GPU_HEAD_DIMS on GPU (and support.INTERPRET_HEAD_DIMS in interpret mode), any
+key head dims support.GPU_HEAD_DIMS and value head dims support.GPU_VALUE_HEAD_DIMS (up to 512:
+every kernel tiles V, by block_v, block_v_out, block_v_bwd or block_wu) on GPU (and
+support.INTERPRET_HEAD_DIMS in interpret mode), any
 T, chunk sizes support.CHUNK_SIZES, `cu_seqlens` (B = 1 packed), in-kernel L2 normalisation.
 """
 

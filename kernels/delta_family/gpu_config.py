@@ -60,7 +60,9 @@ class GpuBlockSizes:
     num_warps_pairs / num_warps_pairs_bwd: warps of K1p / K4b.
     fuse_pairs_solve: KDA: K1p also forms T in registers (no separate K1a); default False.
     block_k_out / num_stages_out: KDA: K columns per piece of K2o's loop over K, and its stages.
-    block_wu:       no / scalar gate: columns per piece of K1b's W = T X, U0 = T Y.
+    block_wu:       no / scalar gate: columns per piece of K1b's W = T X, U0 = T Y; also the
+                    V columns per piece of U0 in the one-kernel K1 and with in-kernel q/k
+                    normalisation (so no kernel holds a whole [C, V] row block at V = 512).
     block_wu_channel: KDA: the same for K1b (gate operands, W, U0).
     """
     block_v: int | None = None

@@ -90,12 +90,10 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
         if src is r["tmat"]:
             barrier(cfg)      # every block is read before the inverse overwrites the buffer
     else:
-        ks, vs, qs = [], [], []
+        ks, qs = [], []
         for b in range(nb):
             sl = pl.ds(b * SUB, SUB)
             ks.append(load_qk(r["k"], (sl, slice(None)), cfg, False))
-            if not cfg.wide and part == "all":
-                vs.append(load_f32(r["v"], (sl, slice(None))))
             if cfg.gate == "channel":
                 qs.append(load_qk(r["q"], (sl, slice(None)), cfg, True))
         gs, Gs = gate_blocks(r, cfg, nb) if cfg.gate != "none" else (None, None)
@@ -139,7 +137,7 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
         wu_from_t(r, cfg)
         return
 
-    xs, ys = [], []
+    xs = []
     for j in range(nb):
         x = bs[j][:, None] * ks[j]
         if cfg.gate == "scalar":
@@ -147,16 +145,27 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
         elif cfg.gate == "channel":
             x = x * exp(Gs[j])
         xs.append(x)
-        ys.append(bs[j][:, None] * vs[j])
     for i in range(nb):
-        sl = pl.ds(i * SUB, SUB)
         w = mm(T[i, 0], xs[0], low)
-        u = mm(T[i, 0], ys[0], low)
         for j in range(1, i + 1):
             w = w + mm(T[i, j], xs[j], low)
-            u = u + mm(T[i, j], ys[j], low)
-        r["w"][sl, :] = w.astype(r["w"].dtype)
-        r["u0"][sl, :] = u.astype(r["u0"].dtype)
+        r["w"][pl.ds(i * SUB, SUB), :] = w.astype(r["w"].dtype)
+
+    # U0 in pieces of block_wu columns of V: a [16, V] row block of v never lives whole in
+    # registers (V up to 512).
+    bv = min(cfg.block_wu, cfg.V)
+
+    def u_piece(p, carry):
+        cs = pl.ds(p * bv, bv)
+        ys = [bs[j][:, None] * load_f32(r["v"], (pl.ds(j * SUB, SUB), cs)) for j in range(nb)]
+        for i in range(nb):
+            u = mm(T[i, 0], ys[0], low)
+            for j in range(1, i + 1):
+                u = u + mm(T[i, j], ys[j], low)
+            r["u0"][pl.ds(i * SUB, SUB), cs] = u.astype(r["u0"].dtype)
+        return carry
+
+    lax.fori_loop(0, cfg.V // bv, u_piece, 0)
     if store_t:
         store_blocks("tmat", T)
 
@@ -245,7 +254,15 @@ def wu_from_t(r, cfg: KernelCfg):
         if cfg.pre_gates:
             r["gcum"][:] = G
     r["w"][:, :] = mm(t, x, cfg.low).astype(r["w"].dtype)
-    r["u0"][:, :] = mm(t, beta * load_f32(r["v"], all_), cfg.low).astype(r["u0"].dtype)
+    # U0 in pieces of block_wu columns of V (the normalisation needs whole rows of k, not of v).
+    bv = min(cfg.block_wu, cfg.V)
+
+    def u_piece(i, carry):
+        cs = (slice(None), pl.ds(i * bv, bv))
+        r["u0"][cs] = mm(t, beta * load_f32(r["v"], cs), cfg.low).astype(r["u0"].dtype)
+        return carry
+
+    lax.fori_loop(0, cfg.V // bv, u_piece, 0)
 
 
 def _wu_channel_pieces(r, cfg: KernelCfg):

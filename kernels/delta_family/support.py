@@ -5,8 +5,10 @@ validate a call and decide whether the kernels cover it without importing a kern
 
 Each knob has exactly one owner here:
   CHUNK_SIZES          chunk sizes the Pallas kernels take (GPU and TPU)
-  GPU_HEAD_DIMS        head dims K, V the GPU (Triton) kernels compile for
-  INTERPRET_HEAD_DIMS  further head dims taken in Pallas interpret mode (the CPU tests' sizes)
+  GPU_HEAD_DIMS        key head dims K (and value head dims V) the GPU (Triton) kernels compile for
+  GPU_VALUE_HEAD_DIMS  value head dims V: GPU_HEAD_DIMS and 512 (fla's GatedDeltaNet with
+                       expand_v = 2 at K = 256); every kernel tiles V, so V only adds tiles
+  INTERPRET_HEAD_DIMS  further head dims (K and V) taken in Pallas interpret mode (CPU tests)
   L2NORM_EPS           in-kernel L2 normalisation of q and k: x / sqrt(sum x^2 + eps), as fla
   KERNEL_DTYPES        dtypes of q, k, v the kernels take (float32 accumulation either way)
 
@@ -28,6 +30,7 @@ import numpy as np
 
 CHUNK_SIZES = (16, 32, 64)
 GPU_HEAD_DIMS = (64, 128, 256)
+GPU_VALUE_HEAD_DIMS = GPU_HEAD_DIMS + (512,)
 INTERPRET_HEAD_DIMS = (16, 32)
 L2NORM_EPS = 1e-6
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -37,9 +40,11 @@ IMPLS = ("recurrent", "chunk", "pallas", "auto")
 SCALAR_GATE, CHANNEL_GATE = "[B, T, H]", "[B, T, H, K]"
 
 
-def kernel_head_dims(interpret: bool) -> tuple[int, ...]:
-    """Head dims the kernels take: the GPU ones, plus the small ones in interpret mode."""
-    return tuple(sorted(GPU_HEAD_DIMS + (INTERPRET_HEAD_DIMS if interpret else ())))
+def kernel_head_dims(interpret: bool, *, value: bool = False) -> tuple[int, ...]:
+    """Head dims the kernels take, of the keys (K) or with `value` of the values (V): the GPU
+    ones, plus the small ones in interpret mode."""
+    dims = GPU_VALUE_HEAD_DIMS if value else GPU_HEAD_DIMS
+    return tuple(sorted(dims + (INTERPRET_HEAD_DIMS if interpret else ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,8 +276,8 @@ def check_delta_call(op, q, k, v, beta=None, g=None, initial_state=None, cu_seql
 
 def check_kernel_head_dims(op, K, V, *, interpret):
     """ValueError unless the GPU kernels take head dims K and V (interpret mode: more)."""
-    dims = kernel_head_dims(interpret)
-    for name, d in (("q", K), ("v", V)):
+    for name, d, value in (("q", K, False), ("v", V, True)):
+        dims = kernel_head_dims(interpret, value=value)
         if d not in dims:
             where = ("in interpret mode" if interpret else
                      "on GPU (the Triton kernels; other sizes run in interpret mode only)")
@@ -286,9 +291,10 @@ def kernel_gap(call: DeltaCall, dtypes, chunk_size, *, delta, interpret) -> str 
     those of q, k, v; `interpret`: the kernels would run in interpret mode (CPU)."""
     if not delta:
         return "the kernels implement the delta write only (not linear_attention's additive write)"
-    dims = kernel_head_dims(interpret)
-    if call.K not in dims or call.V not in dims:
-        return f"head dims K={call.K}, V={call.V} (supported: {dims})"
+    kdims = kernel_head_dims(interpret)
+    vdims = kernel_head_dims(interpret, value=True)
+    if call.K not in kdims or call.V not in vdims:
+        return f"head dims K={call.K}, V={call.V} (supported: K in {kdims}, V in {vdims})"
     if int(chunk_size) not in CHUNK_SIZES:
         return f"chunk_size={chunk_size} (supported: {CHUNK_SIZES})"
     if dtypes[0] not in KERNEL_DTYPES or len(set(dtypes)) != 1:
