@@ -3,7 +3,10 @@
 Every map is a small frozen dataclass with
   * ``output_dim(d)``: the width of φ(x) for x ∈ ℝ^d,
   * ``init_params()``: its (outer-loop) parameters, an empty dict when it has none,
-  * ``apply(params, x)``: φ(x) on the last axis of x.
+  * ``apply(params, x)``: φ(x) on the last axis of x,
+  * ``kernel(params, s)``: ⟨φ(x), φ(y)⟩ from s = x·y, for the maps whose kernel is a function of
+    the dot product (``has_kernel``): identity, polynomial, exp-Taylor. The chunked dual form
+    computes φ(q)·φ(k)ᵀ Gram matrices through it from q·kᵀ (d wide rather than d_φ).
 
 The polynomial maps use the *symmetric* tensor power: for degree i the block holds every monomial
 x_{j1}…x_{ji} (j1 ≤ … ≤ ji) once, weighted by √(multinomial), so that
@@ -28,6 +31,7 @@ class FeatureMap:
     """Base class: identity-like defaults."""
 
     name = "feature_map"
+    has_kernel = False   # whether ``kernel`` gives ⟨φ(x), φ(y)⟩ from x·y
 
     def output_dim(self, d: int) -> int:
         return d
@@ -38,6 +42,10 @@ class FeatureMap:
     def apply(self, params: dict, x: jax.Array) -> jax.Array:
         raise NotImplementedError
 
+    def kernel(self, params: dict, s: jax.Array) -> jax.Array:
+        """⟨φ(x), φ(y)⟩ as a function of s = x·y (elementwise over s); only where ``has_kernel``."""
+        raise NotImplementedError(f"the {self.describe()} feature map's kernel is not a function of x·y")
+
     def describe(self) -> str:
         return self.name
 
@@ -45,9 +53,13 @@ class FeatureMap:
 @dataclass(frozen=True)
 class Identity(FeatureMap):
     name = "identity"
+    has_kernel = True
 
     def apply(self, params, x):
         return x
+
+    def kernel(self, params, s):
+        return s
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,14 @@ def symmetric_power(x: jax.Array, degree: int) -> jax.Array:
     return monomials * jnp.asarray(weights, x.dtype)
 
 
+def _power(s: jax.Array, i: int) -> jax.Array:
+    """s^i by repeated products (s^0 = 1 also where s = 0, and a finite gradient there)."""
+    out = jnp.ones_like(s)
+    for _ in range(i):
+        out = out * s
+    return out
+
+
 def _check_degree(name: str, degree) -> None:
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise ValueError(f"{name}: degree must be an int >= 1, got {degree!r}")
@@ -113,10 +133,17 @@ class Polynomial(FeatureMap):
         return {"coeffs": jnp.asarray([1.0 / math.sqrt(math.factorial(i)) for i in range(self.degree + 1)],
                                       jnp.float32)}
 
+    has_kernel = True
+
     def apply(self, params, x):
         coeffs = params["coeffs"] if params else self.init_params()["coeffs"]
         blocks = [coeffs[i].astype(x.dtype) * symmetric_power(x, i) for i in range(self.degree + 1)]
         return jnp.concatenate(blocks, axis=-1)
+
+    def kernel(self, params, s):
+        # Block i contributes c_i² ⟨sym_i(x), sym_i(y)⟩ = c_i² (x·y)^i (the constant block: c_0²).
+        coeffs = (params["coeffs"] if params else self.init_params()["coeffs"]).astype(s.dtype)
+        return sum(jnp.square(coeffs[i]) * _power(s, i) for i in range(self.degree + 1))
 
     def describe(self) -> str:
         return f"polynomial(p={self.degree})"
@@ -139,9 +166,14 @@ class ExpTaylor(FeatureMap):
     def output_dim(self, d: int) -> int:
         return math.comb(d + self.order, self.order)
 
+    has_kernel = True
+
     def apply(self, params, x):
         blocks = [symmetric_power(x, i) / math.sqrt(math.factorial(i)) for i in range(self.order + 1)]
         return jnp.concatenate(blocks, axis=-1)
+
+    def kernel(self, params, s):
+        return sum(_power(s, i) / math.factorial(i) for i in range(self.order + 1))
 
     def describe(self) -> str:
         return f"exp-taylor(p={self.order})"

@@ -43,7 +43,7 @@ from atlas_jax import optimizers as inner_opt
 from atlas_jax.features import FeatureMap, Identity
 from atlas_jax.kernels.delta_family.support import check_chunk_size
 from atlas_jax.forms.chunked import chunked_sequence, exact_chunked, is_exact
-from atlas_jax.forms.common import MemoryState, Steps, WindowCache
+from atlas_jax.forms.common import Features, MemoryState, Steps, WindowCache
 from atlas_jax.forms.recurrent import recurrent_sequence
 from atlas_jax.memory import LinearMemory, MemoryArch
 from atlas_jax.objectives import L2, Objective
@@ -337,8 +337,13 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     beta, g, nu, gamma, delta = map(f32, (beta, g, nu, gamma, delta))
     batch, time, heads, _ = q.shape
     n = steps
-    fq = spec.feature_map.apply(feature_params, scale * q)
-    fk = spec.feature_map.apply(feature_params, k)
+    features = None
+    if impl == "recurrent" or exact_path:
+        fq = spec.feature_map.apply(feature_params, scale * q)
+        fk = spec.feature_map.apply(feature_params, k)
+    else:   # the chunk-start form applies φ itself: chunk by chunk in the dual form, no [T, d_φ] kept
+        features = Features(spec.feature_map, feature_params)
+        fq, fk = scale * q, k
     if spec.retention.log_decay is not None:
         g = jnp.full((batch, time, heads), spec.retention.log_decay, jnp.float32)
     if gamma is None:
@@ -386,17 +391,21 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     else:
         pad = (-total) % chunk_size
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
-        run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size)
+        run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features)
     final, o = jax.vmap(jax.vmap(run_one))(state, padded)
     if impl != "recurrent" and spec.window > 1:
-        final = final._replace(window=_last_window(state.window, bhs, spec.window))
+        final = final._replace(window=_last_window(state.window, bhs, spec.window, features))
     o = jnp.moveaxis(o[:, :, :total], 1, 2)  # [B, S, H, V]
     return o[:, emit], final
 
 
-def _last_window(window: WindowCache, steps: Steps, c: int) -> WindowCache:
-    """The last c − 1 real steps (padding of the final chunk must not enter the cache)."""
-    keep = lambda cached, new: jnp.concatenate([cached, new], axis=2)[:, :, -(c - 1):]
+def _last_window(window: WindowCache, steps: Steps, c: int, features=None) -> WindowCache:
+    """The last c − 1 real steps (padding of the final chunk must not enter the cache); the cache
+    holds φ(k), formed here for those steps when the steps carry raw keys (``features``)."""
+    keep = lambda cached, new: jnp.concatenate([cached, new[:, :, -(c - 1):]], axis=2)[:, :, -(c - 1):]
     delta = window.delta if steps.delta is None else keep(window.delta, steps.delta)
-    return WindowCache(keep(window.inputs, steps.inputs), keep(window.targets, steps.targets),
+    last_inputs = steps.inputs[:, :, -(c - 1):]
+    if features is not None:
+        last_inputs = features(last_inputs)
+    return WindowCache(keep(window.inputs, last_inputs), keep(window.targets, steps.targets),
                        keep(window.weights, steps.gates), delta)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.features import ExpTaylor, Polynomial, symmetric_power
-from helpers import unit
+from helpers import rel, unit
 
 T = 77   # odd, and not a multiple of any chunk size used
 
@@ -23,3 +23,23 @@ def test_polynomial_features_have_the_stated_kernel():
     taylor = ExpTaylor(6)
     assert abs(float(taylor.apply({}, x) @ taylor.apply({}, y)) - float(jnp.exp(x @ y))) < 2e-4
 
+
+
+def test_kernel_from_the_dot_product_equals_the_features_inner_product_and_its_gradient():
+    """``kernel(params, x·y)`` is ⟨φ(x), φ(y)⟩ (the dual form's Gram matrices use it), with the same
+    gradient with respect to x, y and the learnable coefficients."""
+    from atlas_jax.features import Identity
+    x = 1.5 * unit(jax.random.normal(jax.random.PRNGKey(2), (5, 7)))
+    y = unit(jax.random.normal(jax.random.PRNGKey(3), (6, 7)))
+    maps = [(Identity(), {}), (Polynomial(2), {"coeffs": jnp.asarray([0.9, -0.6, 0.8])}),
+            (Polynomial(3), {"coeffs": jnp.asarray([0.3, -1.2, 0.7, 0.4])}), (ExpTaylor(3), {})]
+    for fmap, params in maps:
+        assert fmap.has_kernel
+        explicit = lambda x, y, p: fmap.apply(p, x) @ fmap.apply(p, y).T
+        kernel = lambda x, y, p: fmap.kernel(p, x @ y.T)
+        probe = jax.random.normal(jax.random.PRNGKey(4), (5, 6))
+        value_and_grads = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * probe), argnums=(0, 1, 2)))
+        assert rel(jax.jit(kernel)(x, y, params), jax.jit(explicit)(x, y, params)) < 1e-6, fmap
+        got, want = (value_and_grads(f)(x, y, params) for f in (kernel, explicit))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert rel(a, b) < 1e-6, fmap

@@ -269,19 +269,27 @@ def _chunk_state_bytes(state: MemoryState, chunk_size: int) -> int:
     return chunk_size * sum(x.size * x.dtype.itemsize for x in leaves)
 
 
-def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int):
+def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None):
     """Chunk-start-gradient form for one sequence and head; steps already padded to a multiple
     of ``chunk_size``. Returns (final state, outputs [S, d_out]).
 
     Specs the dual form covers (``dual.covers``) run in O(T·d) memory through it once a chunk's
     materialised states would reach ``DUAL_FORM_MIN_BYTES``; the others materialise every step's θ
     inside a chunk, one chunk at a time (rematerialised in the backward pass, so memory is
-    O(chunk·|θ|) plus the chunk boundaries)."""
+    O(chunk·|θ|) plus the chunk boundaries).
+
+    ``features`` (a ``common.Features``): the steps carry the raw k and scale·q and φ is applied
+    here — chunk by chunk inside the dual form, so that no [S, d_φ] array is kept for the backward
+    pass (degree-2 features at d = 128 are 8385 wide); to the whole sequence before the
+    materialising form. None: the steps carry φ(k) and φ(scale·q) already."""
     from atlas_jax.forms import dual
 
-    if _FORM != "materialising" and dual.covers(spec, state, steps):
+    d_in = None if features is None else features.output_dim(steps.inputs.shape[-1])
+    if _FORM != "materialising" and dual.covers(spec, state, steps, d_in=d_in):
         if _FORM == "dual" or _chunk_state_bytes(state, chunk_size) >= DUAL_FORM_MIN_BYTES:
-            return dual.dual_sequence(spec, state, steps, chunk_size=chunk_size)
+            return dual.dual_sequence(spec, state, steps, chunk_size=chunk_size, features=features)
+    if features is not None:
+        steps = steps._replace(inputs=features(steps.inputs), queries=features(steps.queries))
     return _materialising_sequence(spec, state, steps, chunk_size=chunk_size)
 
 

@@ -27,6 +27,33 @@ class Steps(NamedTuple):
                                             # oldest first  [S, c]; None = all ones
 
 
+class Features:
+    """φ with its (outer-loop) parameters, for a form that applies φ itself.
+
+    The chunked form takes Steps whose ``inputs`` / ``queries`` are the raw k and scale·q when it is
+    given one of these: the dual form then forms φ chunk by chunk inside its rematerialised chunk
+    (no [T, d_φ] array is kept for the backward pass), and ``gram`` gives φ(x)·φ(y)ᵀ from x·yᵀ
+    through the map's kernel where it has one. Not a pytree: close over it.
+    """
+
+    def __init__(self, feature_map, params):
+        self.feature_map, self.params = feature_map, params
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.feature_map.apply(self.params, x)
+
+    def output_dim(self, d: int) -> int:
+        return self.feature_map.output_dim(d)
+
+    @property
+    def has_kernel(self) -> bool:
+        return self.feature_map.has_kernel
+
+    def gram(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """φ(x) φ(y)ᵀ [n, m] from raw rows x [n, d], y [m, d] (only where ``has_kernel``)."""
+        return self.feature_map.kernel(self.params, x @ y.T)
+
+
 class WindowCache(NamedTuple):
     """The last c − 1 steps, so the Omega window spans piece and chunk boundaries."""
 

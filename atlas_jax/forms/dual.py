@@ -23,6 +23,15 @@ backward pass is JAX's autodiff with rematerialisation of each chunk and, for a 
 group of chunks, so what it keeps is O(T·d) activations plus one state per group of chunks
 (``BOUNDARY_BYTES_PER_TOKEN``).
 
+Feature maps: the form takes the raw k and scale·q (``features``, from MemorySpec) and forms φ
+chunk by chunk, inside the rematerialised chunk: φ(x) [b, d_φ] only where it meets θ₀ (x W₀, the
+momentum) and in the chunk-end update (Aᵀ D). For the layers that read the memory's input itself
+(the first layer, a skip map) the Gram matrix is φ(q)·φ(k)ᵀ = κ(q·kᵀ) through the map's kernel
+(``FeatureMap.kernel``: Σ_i c_i² (q·k)^i for the polynomial map), d wide rather than d_φ (8385 at
+degree 2, d = 128). So the backward pass keeps nothing of size [T, d_φ] either (omeganet at B1 H8
+D128 grew by 2.61 MiB per token of compiled temp memory with φ applied to the whole sequence
+first, 0.24 with it here; atlas with per-chunk NS 2.83 → 0.46).
+
 Covered: memories with ``apply_linear`` whose θ is exactly those weights (LinearMemory, MLPMemory,
 GatedMLPMemory); GD, implicit GD, momentum (both conventions) and Muon with ``ns_every="chunk"``;
 every objective (``objective.output_grad`` is per token); the Omega window with per-token or
@@ -76,8 +85,9 @@ def _memory_has_linear_layers(memory, params, d_in) -> bool:
     return used == set(params)
 
 
-def covers(spec, state: MemoryState, steps: Steps) -> bool:
-    """Whether the dual form runs ``spec`` on these steps (one sequence and head)."""
+def covers(spec, state: MemoryState, steps: Steps, *, d_in: int | None = None) -> bool:
+    """Whether the dual form runs ``spec`` on these steps (one sequence and head); ``d_in`` is the
+    memory's input width when the steps carry raw keys (φ applied by the form), else their width."""
     opt_info = inner_opt.info(spec.optimizer)
     retention = spec.retention
     if opt_info.kind not in ("gd", "implicit_gd", "momentum", "muon"):
@@ -91,25 +101,29 @@ def covers(spec, state: MemoryState, steps: Steps) -> bool:
         return False
     if not isinstance(state.params, dict) or any(jnp.ndim(w) != 2 for w in state.params.values()):
         return False
-    return _memory_has_linear_layers(spec.memory, state.params, steps.inputs.shape[-1])
+    return _memory_has_linear_layers(spec.memory, state.params, d_in or steps.inputs.shape[-1])
 
 
 def _chunk_index(chunk_size, window):
     return jnp.arange(chunk_size)[:, None] + jnp.arange(window)[None, :]
 
 
-def _one_chunk(spec, opt_info, carry: MemoryState, xc: Steps):
-    """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out])."""
+def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
+    """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out]).
+
+    With ``features`` the steps carry raw k and scale·q, and φ is formed here, chunk-locally."""
     memory, objective, retention = spec.memory, spec.objective, spec.retention
     c, b = spec.window, xc.active.shape[0]
     params0, opt_state, acc0, win = carry
     active = xc.active
+    inputs = xc.inputs if features is None else features(xc.inputs)       # φ(k)      [b, d_φ]
+    queries = xc.queries if features is None else features(xc.queries)    # φ(scale·q) [b, d_φ]
 
     # The Omega window over the chunk extended by the previous c − 1 steps (as the materialising form).
     gates = xc.gates * active
-    ext = {"inputs": xc.inputs, "targets": xc.targets, "weights": gates, "delta": xc.delta}
-    if win is not None:
-        ext = {"inputs": jnp.concatenate([win.inputs, xc.inputs]),
+    ext = {"inputs": inputs, "targets": xc.targets, "weights": gates, "delta": xc.delta}
+    if win is not None:   # the cache holds φ(k) of the previous steps
+        ext = {"inputs": jnp.concatenate([win.inputs, inputs]),
                "targets": jnp.concatenate([win.targets, xc.targets]),
                "weights": jnp.concatenate([win.weights, gates]),
                "delta": None if xc.delta is None else jnp.concatenate([win.delta, xc.delta])}
@@ -135,6 +149,16 @@ def _one_chunk(spec, opt_info, carry: MemoryState, xc: Steps):
         src_scale = None
         one_hot = jax.nn.one_hot(window_index, b + c - 1, dtype=jnp.float32)   # [b, c, b + c − 1]
         gradient_weights = jnp.einsum("TC,TCS->TS", weights, one_hot)
+
+    # The first layer's Gram matrix φ(q_t)·φ(k_s) through φ's kernel of q·k (d wide, not d_φ): the
+    # chunk's own keys from the raw steps, the window cache's (already φ(k)) as a product.
+    first_gram = None
+    if features is not None and features.has_kernel:
+        first_gram = features.gram(xc.queries, xc.inputs)                         # [b, b]
+        if win is not None:
+            first_gram = jnp.concatenate([queries @ win.inputs.T, first_gram], axis=1)   # [b, b + c − 1]
+        if decayed_point:
+            first_gram = first_gram[:, window_index.reshape(-1)]                  # [b, b·c]
 
     def tapped(offsets):
         layer_inputs = {}
@@ -183,10 +207,11 @@ def _one_chunk(spec, opt_info, carry: MemoryState, xc: Steps):
         y = from_start[:, None] * (h @ params0[key])
         if state_carry is not None:
             y = y + state_carry[:, None] * (h @ momentum0[key])
-        gram = h @ layer_inputs[key].T
+        # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
+        gram = first_gram if (first_gram is not None and h is queries) else h @ layer_inputs[key].T
         return y + (state_rows * gram) @ cotangents[key]
 
-    outputs = memory.apply_linear(xc.queries, read)
+    outputs = memory.apply_linear(queries, read)
 
     def at_end(rows, carry_coefficient, start, start_factor):
         """Σ_s rows[s] a_s δ_sᵀ + carry·m₀ + factor·start, one matmul per weight."""
@@ -216,7 +241,7 @@ def _one_chunk(spec, opt_info, carry: MemoryState, xc: Steps):
     if retention.has_map or opt_info.kind == "muon":
         # The chunk-end state is not the linear one: from the last real step on, reads use it.
         after = jnp.concatenate([active[1:], jnp.zeros((1,), active.dtype)])
-        outputs = jnp.where((after == 0)[:, None], memory.apply(params_end, xc.queries), outputs)
+        outputs = jnp.where((after == 0)[:, None], memory.apply(params_end, queries), outputs)
 
     new_win = None
     if win is not None:
@@ -231,9 +256,13 @@ def _one_chunk(spec, opt_info, carry: MemoryState, xc: Steps):
     return new_state, outputs
 
 
-def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, boundary_bytes_per_token=None):
+def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
+                  boundary_bytes_per_token=None):
     """The dual form for one sequence and head (steps padded to a multiple of ``chunk_size``):
-    the same (final state, outputs [S, d_out]) as the materialising chunked form."""
+    the same (final state, outputs [S, d_out]) as the materialising chunked form.
+
+    ``features`` (a ``common.Features``): the steps' inputs and queries are the raw k and scale·q,
+    and φ is formed chunk by chunk (what the backward pass keeps is then d wide, not d_φ)."""
     opt_info = inner_opt.info(spec.optimizer)
     if boundary_bytes_per_token is None:
         boundary_bytes_per_token = BOUNDARY_BYTES_PER_TOKEN
@@ -249,7 +278,7 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, bo
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
 
-    chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, carry, xc))
+    chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, features, carry, xc))
     if per_group == 1:
         chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
         final, outputs = jax.lax.scan(chunk, state, chunks)
