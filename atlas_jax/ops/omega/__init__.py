@@ -1,0 +1,9 @@
+"""The exact Omega rule on a linear memory (swla; omeganet / atlas with a linear memory):
+a float32 token-by-token reference and the exact chunked (expanded WY) form, one signature."""
+
+from __future__ import annotations
+
+from atlas_jax.ops.omega.chunk import omega_linear_chunk
+from atlas_jax.ops.omega.naive import omega_linear_recurrent
+
+__all__ = ["omega_linear_chunk", "omega_linear_recurrent"]
