@@ -1,35 +1,54 @@
 """Deep-memory presets (titans, omeganet, atlas) through the chunked form: forward+backward time,
-tokens per second and peak memory (issue 24).
+tokens per second and peak memory (issue 24), with titans-pytorch's NeuralMemory beside them.
 
     python benchmarks/deep_memory.py                                  # B4 T4096 H8 D128, chunk 64
     python benchmarks/deep_memory.py --presets titans --shape 1,2048,8,128 --reference
     python benchmarks/deep_memory.py --compile-only                   # XLA's memory analysis only
+    python benchmarks/deep_memory.py --tiny                           # CPU check of the script itself
 
-Times jax.vjp of the memory layer's outputs with respect to q, k, v, the per-token knobs and θ₀
-(the memory alone, no model around it). ATLAS runs with Newton–Schulz per chunk
-(``muon(ns_every="chunk")``), the variant the dual form covers; ``--atlas-ns token`` runs ATLAS as
-written, through the materialising form. ``--reference`` adds the materialising chunked form (the
-form before the dual form) for the same calls. Peak memory is the device's peak_bytes_in_use after
-the timed calls (GPU), and always XLA's compiled temp + argument + output bytes.
+Entries (``--presets``): titans, omeganet, atlas (Newton–Schulz of the chunk-end momentum,
+``ns_every="chunk"``: the dual form), atlas_token (NS on every m_t as the paper: the materialising
+form, O(chunk·|θ|) per sequence and head — it may run out of memory or take minutes), and
+titans_pytorch (``NeuralMemory(dim=H·D, heads=H, dim_head=D, chunk_size=chunk)``, bf16 autocast on
+GPU, projections included, forward+backward of its output's sum; needs torch and titans-pytorch,
+e.g. from ../shared/bench's wheels).
+
+Ours: jax.vjp of the memory layer's outputs with respect to q, k, v, the per-token knobs and θ₀
+(the memory alone, no model around it), float32. ``--reference`` adds the materialising chunked
+form (the form before the dual form) for the same calls. Every entry runs in its own process, so
+that the device's peak memory (peak_bytes_in_use, GPU) is that entry's own and an out-of-memory
+failure ("OOM") or a time-out leaves the others alone; XLA's compiled temp + argument + output bytes
+are reported as well. A call slower than 2 s is timed over 2 calls only.
+
+Writes deep_memory.json and deep_memory.md (a markdown table) to --out or $OUT.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
+import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import import_tree, log, save_json, shape_arg, time_jax  # noqa: E402
 
+ENTRIES = {   # entry name -> (preset, preset options, what the table says)
+    "titans": ("titans", {}, "titans"),
+    "omeganet": ("omeganet", {}, "omeganet"),
+    "atlas": ("atlas", {"ns_every": "chunk"}, "atlas, NS per chunk"),
+    "atlas_token": ("atlas", {"ns_every": "token"}, "atlas, NS per token"),
+}
+TORCH_ENTRY = "titans_pytorch"
+TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
+SLOW_CALL_S = 2.0
 
-def build(name, atlas_ns):
-    from atlas_jax import optimizers as opt
+
+def build(name):
     from atlas_jax import presets
-    spec = presets.get(name)
-    if name == "atlas":
-        spec = dataclasses.replace(spec, optimizer=opt.muon(ns_every=atlas_ns))
-    return spec
+    preset, options, _ = ENTRIES[name]
+    return presets.get(preset, **options)
 
 
 def inputs(spec, B, T, H, D, seed=0):
@@ -64,25 +83,89 @@ def fwdbwd_fn(spec, chunk):
     return jax.jit(fwdbwd)
 
 
-def measure(name, spec, args, chunk, B, T, compile_only, reference):
-    import jax
-    from atlas_jax.forms import dual
+def _is_oom(error) -> bool:
+    text = repr(error)
+    return any(word in text for word in ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory"))
 
+
+def measure_ours(name, B, T, H, D, chunk, compile_only, reps):
+    """Compiles (and unless ``compile_only`` times) one entry's forward+backward."""
+    import jax
+    from atlas_jax.forms import chunked
+
+    spec = build(name)
+    args = inputs(spec, B, T, H, D)
+    one = jax.tree.map(lambda x: x[0, 0], args[4])
+    row = {"dual_form": chunked.runs_dual_form(spec, one, _steps(spec, args), chunk_size=chunk)}
     f = fwdbwd_fn(spec, chunk)
+    t = time.perf_counter()
     compiled = f.lower(*args).compile()
+    row["compile_s"] = time.perf_counter() - t
     analysis = compiled.memory_analysis()
-    row = {"preset": name, "form": "materialising" if reference else "auto (dual where covered)",
-           "dual_form": (not reference) and dual.covers(spec, jax.tree.map(lambda x: x[0, 0], args[4]), _steps(spec, args)),
-           "compiled_temp_GiB": analysis.temp_size_in_bytes / 2 ** 30,
-           "compiled_total_GiB": (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
-                                  + analysis.output_size_in_bytes) / 2 ** 30}
+    if analysis is not None:
+        row["compiled_temp_GiB"] = analysis.temp_size_in_bytes / 2 ** 30
+        row["compiled_total_GiB"] = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
+                                     + analysis.output_size_in_bytes) / 2 ** 30
     if not compile_only:
-        device = jax.devices()[0]
-        ms = time_jax(compiled, *args, reps=10)
+        call = lambda: compiled(*args)
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        first = time.perf_counter() - t
+        if first > SLOW_CALL_S:
+            t = time.perf_counter()
+            for _ in range(2):
+                jax.block_until_ready(call())
+            ms = (time.perf_counter() - t) / 2 * 1e3
+        else:
+            ms = time_jax(compiled, *args, reps=reps)
         row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
-        stats = device.memory_stats() or {}
+        stats = jax.devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:
             row["peak_GiB"] = stats["peak_bytes_in_use"] / 2 ** 30
+    return row
+
+
+def measure_titans_pytorch(B, T, H, D, chunk, compile_only, reps):
+    """titans-pytorch's NeuralMemory, imported without the package's __init__ (as ../shared/bench's
+    anchors_gpu.py does: the package __init__ pulls in more than the memory needs)."""
+    import types
+    import torch
+    base = [p for p in sys.path if os.path.isdir(os.path.join(p, "titans_pytorch"))]
+    if not base:
+        raise ImportError("titans_pytorch is not on sys.path")
+    pkg = types.ModuleType("titans_pytorch")
+    pkg.__path__ = [os.path.join(base[0], "titans_pytorch")]
+    sys.modules["titans_pytorch"] = pkg
+    from titans_pytorch.neural_memory import NeuralMemory
+    from timing import wall_ms
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    row = {"dual_form": None, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    mem = NeuralMemory(dim=H * D, chunk_size=chunk, heads=H, dim_head=D).to(device)
+    x = torch.randn(B, T, H * D, device=device)
+
+    def fwdbwd():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            out = mem(x)[0]
+        out.float().sum().backward()
+        return out
+
+    sync = (lambda out: torch.cuda.synchronize()) if cuda else (lambda out: None)
+    if compile_only:
+        return row
+    t = time.perf_counter()
+    sync(fwdbwd())
+    if time.perf_counter() - t > SLOW_CALL_S:
+        t = time.perf_counter()
+        for _ in range(2):
+            sync(fwdbwd())
+        ms = (time.perf_counter() - t) / 2 * 1e3
+    else:
+        ms = wall_ms(fwdbwd, sync, reps)
+    row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
+    if cuda:
+        row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
     return row
 
 
@@ -90,49 +173,122 @@ def _steps(spec, args):
     """One (sequence, head)'s steps, only for asking whether the dual form covers the call."""
     import jax.numpy as jnp
     from atlas_jax.forms.common import Steps
-    q, k, v, knobs, state, _ = args
+    q, _, v, knobs, _, _ = args
     T, d = q.shape[1], spec.feature_dim(q.shape[-1])
     ones = jnp.ones((T,))
     return Steps(jnp.ones((T, d)), v[0, :, 0], jnp.ones((T, d)), ones, ones if "g" in knobs else None,
                  ones if "nu" in knobs else None, ones, None, ones)
 
 
+def worker(a):
+    """One entry in this process: prints ``ROW {json}``."""
+    B, T, H, D = a.shape
+    row = {"entry": a.worker, "form": "materialising" if a.reference else "auto (dual where covered)",
+           "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk}
+    try:
+        if a.worker == TORCH_ENTRY:
+            row["form"] = "titans-pytorch"
+            row.update(measure_titans_pytorch(B, T, H, D, a.chunk, a.compile_only, a.reps))
+        else:
+            import_tree(a.root) if a.root else import_tree()
+            import jax
+            row["device"] = jax.devices()[0].device_kind
+            if a.reference:
+                from atlas_jax.forms import chunked
+                with chunked.materialising():
+                    row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps))
+            else:
+                row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps))
+    except ImportError as error:
+        row["error"] = f"not installed: {error}"[:200]
+    except Exception as error:   # out of memory on the device: report it and go on
+        row["error"] = "OOM" if _is_oom(error) else repr(error)[:300]
+    print("ROW " + json.dumps(row, default=str), flush=True)
+
+
+def _run_entry(a, name, reference):
+    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--shape", ",".join(map(str, a.shape)),
+               "--chunk", str(a.chunk), "--reps", str(a.reps)]
+    command += ["--reference"] * reference + ["--compile-only"] * a.compile_only
+    command += ["--root", a.root] if a.root else []
+    B, T, H, D = a.shape
+    fallback = {"entry": name, "form": "materialising" if reference else "auto (dual where covered)",
+                "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=a.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {**fallback, "error": f"timeout ({a.timeout} s)"}
+    rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if rows:
+        return rows[-1]
+    tail = (done.stderr or done.stdout)[-300:]
+    oom = any(word in tail for word in ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory"))
+    return {**fallback, "error": "OOM" if oom else f"exit {done.returncode}: {tail}"}
+
+
+def _fmt(value, spec):
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(rows, header) -> str:
+    lines = [f"# Deep memories, forward+backward ({header})", "",
+             "| entry | form | B, T, H, D | chunk | fwd+bwd ms | tokens/s | peak GiB | compiled total GiB | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        label = ENTRIES[r["entry"]][2] if r["entry"] in ENTRIES else r["entry"]
+        form = r["form"]
+        if r.get("dual_form") and form.startswith("auto"):
+            form = "dual"
+        elif r.get("dual_form") is False and form.startswith("auto"):
+            form = "materialising"
+        note = r.get("error", "")
+        lines.append(f"| {label} | {form} | {r['B']}, {r['T']}, {r['H']}, {r['D']} | {r['chunk']} | "
+                     f"{_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{_fmt(r.get('peak_GiB'), '.3g')} | {_fmt(r.get('compiled_total_GiB'), '.3g')} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=["titans", "omeganet", "atlas"])
-    parser.add_argument("--shape", type=shape_arg, default=(4, 4096, 8, 128), help="B,T,H,D (default 4,4096,8,128)")
-    parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--atlas-ns", choices=("chunk", "token"), default="chunk",
-                        help="ATLAS's Newton–Schulz per chunk (dual form) or per token (materialising form)")
+    parser.add_argument("--presets", nargs="+", default=["titans", "omeganet", "atlas", "atlas_token", TORCH_ENTRY],
+                        choices=list(ENTRIES) + [TORCH_ENTRY])
+    parser.add_argument("--shape", type=shape_arg, default=None, help="B,T,H,D (default 4,4096,8,128)")
+    parser.add_argument("--chunk", type=int, default=None, help="chunk size (default 64)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"B,T,H,D {','.join(map(str, TINY_SHAPE))}, chunk {TINY_CHUNK}, 2 reps: checks the script on CPU")
+    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--reference", action="store_true", help="also run the materialising chunked form")
     parser.add_argument("--compile-only", action="store_true", help="XLA's memory analysis, no run")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per entry (default 600)")
     parser.add_argument("--root", default=None, help="checkout to import atlas_jax from (default: this one)")
-    parser.add_argument("--out", default=None, help="folder for deep_memory.json (default $OUT)")
+    parser.add_argument("--out", default=None, help="folder for deep_memory.json / .md (default $OUT)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
-
-    import_tree(a.root) if a.root else import_tree()
-    import jax
-    from atlas_jax.forms import chunked
+    if a.tiny:
+        a.shape, a.chunk, a.reps = a.shape or TINY_SHAPE, a.chunk or TINY_CHUNK, min(a.reps, 2)
+    a.shape, a.chunk = a.shape or (4, 4096, 8, 128), a.chunk or 64
+    if a.worker:
+        return worker(a)
 
     B, T, H, D = a.shape
-    log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, B{B} T{T} H{H} D{D} chunk {a.chunk}")
+    log(f"B{B} T{T} H{H} D{D} chunk {a.chunk}: {', '.join(a.presets)}")
     rows = []
     for name in a.presets:
-        spec = build(name, a.atlas_ns)
-        args = inputs(spec, B, T, H, D)
-        for reference in ((False, True) if a.reference else (False,)):
-            try:
-                if reference:
-                    with chunked.materialising():
-                        row = measure(name, spec, args, a.chunk, B, T, a.compile_only, True)
-                else:
-                    row = measure(name, spec, args, a.chunk, B, T, a.compile_only, False)
-            except Exception as error:   # out of memory on the device: report it and go on
-                row = {"preset": name, "form": "materialising" if reference else "auto", "error": repr(error)[:300]}
-            row.update({"B": B, "T": T, "H": H, "D": D, "chunk": a.chunk})
+        for reference in ((False, True) if a.reference and name != TORCH_ENTRY else (False,)):
+            row = _run_entry(a, name, reference)
             rows.append(row)
             log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    header = f"{', '.join(devices) or 'device unknown'}, float32 (titans-pytorch: bf16 autocast on GPU)"
+    table = markdown(rows, header)
+    log(table)
     save_json(rows, a.out, "deep_memory.json")
+    out_dir = a.out or os.environ.get("OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "deep_memory.md"), "w") as f:
+            f.write(table)
+    return rows
 
 
 if __name__ == "__main__":

@@ -33,13 +33,17 @@ def test_kernel_from_the_dot_product_equals_the_features_inner_product_and_its_g
     y = unit(jax.random.normal(jax.random.PRNGKey(3), (6, 7)))
     maps = [(Identity(), {}), (Polynomial(2), {"coeffs": jnp.asarray([0.9, -0.6, 0.8])}),
             (Polynomial(3), {"coeffs": jnp.asarray([0.3, -1.2, 0.7, 0.4])}), (ExpTaylor(3), {})]
+    probe = jax.random.normal(jax.random.PRNGKey(4), (5, 6))
     for fmap, params in maps:
         assert fmap.has_kernel
-        explicit = lambda x, y, p: fmap.apply(p, x) @ fmap.apply(p, y).T
-        kernel = lambda x, y, p: fmap.kernel(p, x @ y.T)
-        probe = jax.random.normal(jax.random.PRNGKey(4), (5, 6))
-        value_and_grads = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * probe), argnums=(0, 1, 2)))
-        assert rel(jax.jit(kernel)(x, y, params), jax.jit(explicit)(x, y, params)) < 1e-6, fmap
-        got, want = (value_and_grads(f)(x, y, params) for f in (kernel, explicit))
+        got, want = (_gram_value_and_grads(gram, x, y, params, probe) for gram in (
+            lambda x, y, p, fmap=fmap: fmap.kernel(p, x @ y.T),
+            lambda x, y, p, fmap=fmap: fmap.apply(p, x) @ fmap.apply(p, y).T))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert rel(a, b) < 1e-6, fmap
+
+
+def _gram_value_and_grads(gram, x, y, params, probe):
+    """The Gram matrix and the gradients of ⟨gram, probe⟩ with respect to x, y and the map's parameters."""
+    loss = lambda x, y, p: jnp.sum(gram(x, y, p) * probe)
+    return jax.jit(gram)(x, y, params), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, y, params)

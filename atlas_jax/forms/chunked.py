@@ -39,7 +39,7 @@ from atlas_jax.memory import LinearMemory
 from atlas_jax.retention import decay_tree
 from atlas_jax.objectives import L2, Dot
 
-__all__ = ["is_exact", "chunked_sequence", "exact_chunked"]
+__all__ = ["is_exact", "chunked_sequence", "exact_chunked", "runs_dual_form"]
 
 _PARALLEL_KINDS = ("gd", "momentum", "muon", "implicit_gd")
 
@@ -269,6 +269,16 @@ def _chunk_state_bytes(state: MemoryState, chunk_size: int) -> int:
     return chunk_size * sum(x.size * x.dtype.itemsize for x in leaves)
 
 
+def runs_dual_form(spec, state: MemoryState, steps: Steps, *, chunk_size: int, d_in: int | None = None) -> bool:
+    """Whether ``chunked_sequence`` runs these steps (one sequence and head) through the dual form,
+    under the current form choice (``d_in``: the memory's input width when the steps carry raw keys)."""
+    from atlas_jax.forms import dual
+
+    if _FORM == "materialising" or not dual.covers(spec, state, steps, d_in=d_in):
+        return False
+    return _FORM == "dual" or _chunk_state_bytes(state, chunk_size) >= DUAL_FORM_MIN_BYTES
+
+
 def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None):
     """Chunk-start-gradient form for one sequence and head; steps already padded to a multiple
     of ``chunk_size``. Returns (final state, outputs [S, d_out]).
@@ -285,9 +295,8 @@ def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int,
     from atlas_jax.forms import dual
 
     d_in = None if features is None else features.output_dim(steps.inputs.shape[-1])
-    if _FORM != "materialising" and dual.covers(spec, state, steps, d_in=d_in):
-        if _FORM == "dual" or _chunk_state_bytes(state, chunk_size) >= DUAL_FORM_MIN_BYTES:
-            return dual.dual_sequence(spec, state, steps, chunk_size=chunk_size, features=features)
+    if runs_dual_form(spec, state, steps, chunk_size=chunk_size, d_in=d_in):
+        return dual.dual_sequence(spec, state, steps, chunk_size=chunk_size, features=features)
     if features is not None:
         steps = steps._replace(inputs=features(steps.inputs), queries=features(steps.queries))
     return _materialising_sequence(spec, state, steps, chunk_size=chunk_size)
