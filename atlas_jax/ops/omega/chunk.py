@@ -31,8 +31,9 @@ matmul pass over the chunks is sequential:
 (for the dot objective X = diag(βw) N and there is no solve: a windowed linear attention).
 Per chunk the arrays are [M, M] and [M, K or V]: memory O(T·c·(K + V + C·c)), and the chunk
 scan keeps one [K, V] state per chunk, O(T·K·V / C); nothing is [T, K, V]. The windows are
-built by shifting k and v (c − 1 zero rows in front), so a window crossing a chunk boundary
-simply reads the previous chunk's keys; it interacts with the past only through S_0.
+built by shifting k and v (c − 1 rows in front: zeros, or ``initial_window`` to continue a
+sequence), so a window crossing a chunk boundary simply reads the previous chunk's keys; a chunk
+interacts with the past only through S_0.
 Every decay exponent is a direct (masked) segment sum of g, not a difference of cumulative
 sums, and is masked before exp, so strong gates stay finite and accurate, gradients too.
 With c = 1 this is the gated delta rule with decoupled decay; with g = 0 it is the delta rule.
@@ -46,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.linalg import solve_unit_lower
-from atlas_jax.ops.omega.naive import check_args
+from atlas_jax.ops.omega.naive import check_args, window_triple
 
 # f32 dots must stay f32 on GPU/TPU too, or the form stops being exact.
 _HI = jax.lax.Precision.HIGHEST
@@ -66,10 +67,11 @@ def _from_chunks(x):
     return x.reshape((b, n * size, h) + x.shape[4:])
 
 
-def _windows(x, c):
-    """[B, T, H, ...] -> [B, T, H, c, ...]: entry j of token t is x_{t−c+1+j} (0 before t = 0)."""
+def _windows(x, c, before):
+    """[B, T, H, ...] -> [B, T, H, c, ...]: entry j of token t is x_{t−c+1+j}, read from
+    ``before`` ([B, H, c−1, ...], the c − 1 tokens before the first, oldest first) for t−c+1+j < 0."""
     t = x.shape[1]
-    xp = jnp.pad(x, [(0, 0), (c - 1, 0)] + [(0, 0)] * (x.ndim - 2))
+    xp = jnp.concatenate([jnp.moveaxis(before, 2, 1).astype(x.dtype), x], axis=1)
     return jnp.stack([xp[:, j:j + t] for j in range(c)], axis=3)
 
 
@@ -99,7 +101,8 @@ def _gate_sums(gc):
 
 @functools.partial(jax.jit, static_argnames=("window", "objective", "output_final_state", "chunk_size"))
 def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, objective="l2",
-                       scale=None, initial_state=None, output_final_state=False, chunk_size=16):
+                       scale=None, initial_state=None, output_final_state=False, initial_window=None,
+                       chunk_size=16):
     """Chunkwise-parallel Omega rule; equals `omega_linear_recurrent` to float32 rounding.
 
     Args: as `omega_linear_recurrent`, plus
@@ -109,7 +112,8 @@ def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, obje
     Returns:
       (o [B, T, H, V] in v.dtype, final state [B, H, K, V] float32 or None).
     """
-    check_args(q, k, v, beta, g, gamma, window, objective)
+    initial_window = window_triple(initial_window)
+    check_args(q, k, v, beta, g, gamma, window, objective, initial_window)
     B, T, H, K = q.shape
     V = v.shape[-1]
     c = window
@@ -128,13 +132,18 @@ def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, obje
     gf = jnp.zeros((B, T, H), f32) if g is None else g.astype(f32)
     gam = jnp.ones((B, T, H), f32) if gamma is None else gamma.astype(f32)
 
-    # Window terms and weights per token, oldest position first; 0 before the first token.
-    kw, vw = _windows(kf, c), _windows(vf, c)                    # [B, T, H, c, K|V]
+    # Window terms and weights per token, oldest position first: w_{t,j} = own_{t−c+1+j} · γ^{(t)}_j
+    # with own = γ per token (1 with per-position γ, whose own weights are all 1); the c − 1
+    # tokens before the first come from initial_window (empty slots: zeros, own weight 0).
+    if initial_window is None:
+        initial_window = (jnp.zeros((B, H, c - 1, K), f32), jnp.zeros((B, H, c - 1, V), f32),
+                          jnp.zeros((B, H, c - 1), f32))
+    k_prev, v_prev, w_prev = (x.astype(f32) for x in initial_window)
+    kw, vw = _windows(kf, c, k_prev), _windows(vf, c, v_prev)   # [B, T, H, c, K|V]
     if gam.ndim == 4:
-        pos = jnp.arange(T)[:, None] - (c - 1) + jnp.arange(c)[None, :]   # token of (t, j)
-        w = jnp.where((pos >= 0)[None, :, None, :], gam, 0.0)
+        w = _windows(jnp.ones((B, T, H), f32), c, w_prev) * gam
     else:
-        w = _windows(gam, c)
+        w = _windows(gam, c, w_prev)
     bw = bf[..., None] * w                                       # [B, T, H, c]
 
     if pad:

@@ -15,7 +15,11 @@ The window weights w_{t,j} are, oldest position first (j = 0 is token t−c+1, j
   per-token γ [B, T, H]:       w_{t,j} = γ_{t−c+1+j}            (token i keeps its own γ_i)
   per-position γ [B, T, H, c]: w_{t,j} = γ^{(t)}_j               (step t's weight of position j)
 and w_{t,j} = 0 where t−c+1+j < 0: the window starts empty at the first token, exactly as the
-library's recurrent form with a fresh ``WindowCache`` (``forms.recurrent.inner_step``).
+library's recurrent form with a fresh ``WindowCache`` (``forms.recurrent.inner_step``). To continue
+a sequence, ``initial_window`` = (keys [B, H, c−1, K], values [B, H, c−1, V], weights [B, H, c−1])
+holds the c − 1 tokens before the first, oldest first, as ``WindowCache`` does (weights: each
+cached token's own γ with per-token gates, 1 with per-position gates, 0 for an empty slot; a
+cached token at window position j then weighs weights · γ^{(t)}_j).
 
 So S_t = (α_t I − β_t Σ_j w_{t,j} κ_{t,j} κ_{t,j}ᵀ) S_{t−1} + β_t Σ_j w_{t,j} κ_{t,j} ν_{t,j}ᵀ:
 a rank-c transition per token, DeltaProduct-like but over a sliding window. This module runs it
@@ -35,7 +39,14 @@ _HI = jax.lax.Precision.HIGHEST
 OBJECTIVES = ("l2", "dot")
 
 
-def check_args(q, k, v, beta, g, gamma, window, objective):
+def window_triple(initial_window):
+    """(keys, values, weights) from a tuple or from the library's ``WindowCache``."""
+    if initial_window is not None and hasattr(initial_window, "inputs"):
+        return (initial_window.inputs, initial_window.targets, initial_window.weights)
+    return initial_window
+
+
+def check_args(q, k, v, beta, g, gamma, window, objective, initial_window=None):
     """Shape and option checks shared by the reference and the chunked form."""
     if objective not in OBJECTIVES:
         raise ValueError(f"omega: objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -52,11 +63,19 @@ def check_args(q, k, v, beta, g, gamma, window, objective):
     if gamma is not None and gamma.shape not in (bth, bth + (window,)):
         raise ValueError(f"omega: gamma must be [B, T, H] (per token) or [B, T, H, c={window}] "
                          f"(per window position, oldest first), got {gamma.shape}")
+    if initial_window is not None:
+        b, _, h, d_k = q.shape
+        want = ((b, h, window - 1, d_k), (b, h, window - 1, v.shape[-1]), (b, h, window - 1))
+        got = tuple(tuple(x.shape) for x in initial_window) if len(initial_window) == 3 else None
+        if got != want:
+            raise ValueError(f"omega: initial_window must be (keys, values, weights) of shapes {want} "
+                             f"(the c - 1 tokens before the first, oldest first), got {got}")
 
 
 @functools.partial(jax.jit, static_argnames=("window", "objective", "output_final_state"))
 def omega_linear_recurrent(q, k, v, beta=None, g=None, gamma=None, *, window=1, objective="l2",
-                           scale=None, initial_state=None, output_final_state=False):
+                           scale=None, initial_state=None, output_final_state=False,
+                           initial_window=None):
     """Runs the Omega rule on a linear memory one token at a time (see the module docstring).
 
     Args:
@@ -72,11 +91,16 @@ def omega_linear_recurrent(q, k, v, beta=None, g=None, gamma=None, *, window=1, 
       scale: multiplier applied to q; None for 1/√K.
       initial_state: [B, H, K, V] start state S_0, or None for zeros (the window starts empty).
       output_final_state: whether to return the final state.
+      initial_window: None (the window starts empty) or (keys [B, H, c−1, K], values
+        [B, H, c−1, V], weights [B, H, c−1]): the c − 1 tokens before the first, oldest first,
+        as the library's ``WindowCache`` (which is accepted too; see the module docstring).
 
     Returns:
-      (o [B, T, H, V] in v.dtype, final state [B, H, K, V] float32 or None).
+      (o [B, T, H, V] in v.dtype, final state [B, H, K, V] float32 or None). The final window is
+      the inputs' last c − 1 tokens (with ``initial_window`` in front when T < c − 1).
     """
-    check_args(q, k, v, beta, g, gamma, window, objective)
+    initial_window = window_triple(initial_window)
+    check_args(q, k, v, beta, g, gamma, window, objective, initial_window)
     B, T, H, K = q.shape
     V = v.shape[-1]
     c = window
@@ -96,8 +120,11 @@ def omega_linear_recurrent(q, k, v, beta=None, g=None, gamma=None, *, window=1, 
     s0 = (jnp.zeros((B, H, K, V), f32) if initial_state is None
           else initial_state.astype(f32))
     # The window cache: the previous c − 1 keys, values and own weights (0 = empty slot).
-    cache = (jnp.zeros((B, H, c - 1, K), f32), jnp.zeros((B, H, c - 1, V), f32),
-             jnp.zeros((B, H, c - 1), f32))
+    if initial_window is None:
+        cache = (jnp.zeros((B, H, c - 1, K), f32), jnp.zeros((B, H, c - 1, V), f32),
+                 jnp.zeros((B, H, c - 1), f32))
+    else:
+        cache = tuple(x.astype(f32) for x in initial_window)
 
     def step(carry, xs):
         s, (ck, cv, cw) = carry
