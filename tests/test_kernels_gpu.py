@@ -645,3 +645,26 @@ def test_gpu_value_head_dim_512(gate, dtype, tol):
     for i, a, b in zip(argnums, g1, g2):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
         assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_triton_lowering_grouped_value_heads(gate):
+    """Grouped value heads (HV = 2 H, fla's GVA): the q/k BlockSpecs' head maps h // G lower to
+    Triton for every kernel, forward and backward."""
+    Hq, G_, K_, T_ = 2, 2, 128, 128
+    args, _ = make(25, gate=gate, K=K_, V=K_, T_=T_, H_=Hq * G_)
+    _, _, v, beta, g, s0 = args
+    q, k = (x[:, :, :Hq].astype(jnp.bfloat16) for x in args[:2])
+    v, beta = v.astype(jnp.bfloat16), beta.astype(jnp.bfloat16)
+
+    def loss(q, k, v, beta, g, s0):
+        o, s = chunk_delta_family_gpu(q, k, v, beta, g, scale=0.1, initial_state=s0,
+                                      output_final_state=True, interpret=False)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    argnums = tuple(i for i, a in enumerate((q, k, v, beta, g, s0)) if a is not None)
+    exp = export.export(
+        jax.jit(jax.value_and_grad(loss, argnums=argnums)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, k, v, beta, g, s0)
+    assert exp.mlir_module().count("xla.gpu.triton") >= 4

@@ -108,10 +108,10 @@ def _validate(q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret
         raise TypeError(f"{_FN}: argument `block_sizes` must be a GpuBlockSizes; got "
                         f"{type(bs).__name__}.")
     gate = None if g is None else call.gate
-    bs = bs.resolve(call.K, call.V, programs=call.n_states * call.H, gate=gate,
+    bs = bs.resolve(call.K, call.V, programs=call.n_states * call.HV, gate=gate,
                     low=q.dtype == jnp.bfloat16)
     bs.check(_FN, call.V, interpret=interpret)
-    return q, k, v, beta, g, initial_state, cu_seqlens, call.n_states, bs
+    return q, k, v, beta, g, initial_state, cu_seqlens, call, bs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,14 +188,14 @@ def prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_si
     if interpret is None:
         interpret = default_interpret()
     interpret = bool(interpret)
-    (q, k, v, beta, g, s0, cu, n_seq, bs) = _validate(
+    (q, k, v, beta, g, s0, cu, call, bs) = _validate(
         q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret, block_sizes)
     B, T, H, K = q.shape
     V = v.shape[-1]
     support.check_scale(_FN, scale, static=True)
     gate = "none" if g is None else ("scalar" if g.ndim == 3 else "channel")
     if beta is None:
-        beta = jnp.ones((B, T, H), q.dtype)
+        beta = jnp.ones((B, T, call.HV), q.dtype)
     kc = gm.KernelCfg(C=int(chunk_size), K=K, V=V, gate=gate, low=q.dtype == jnp.bfloat16,
                       scale=float(scale), normalize=bool(normalize_qk), block_v=bs.block_v,
                       block_v_bwd=bs.block_v_bwd, has_s0=s0 is not None,
@@ -209,7 +209,7 @@ def prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_si
                       block_k_out=bs.block_k_out, block_wu=bs.block_wu,
                       block_wu_channel=bs.block_wu_channel,
                       block_kkt=int(bs.block_k_kkt))
-    st = launch.Static(kc=kc, bs=bs, interpret=interpret, n_seq=n_seq)
+    st = launch.Static(kc=kc, bs=bs, interpret=interpret, n_seq=call.n_states, group=call.group)
     return q, k, v, beta, g, s0, cu, st
 
 
@@ -225,12 +225,14 @@ def chunk_delta_family_gpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
 
     Args:
       q, k: [B, T, H, K] (float32 or bfloat16; q, k, v share one dtype).
-      v: [B, T, H, V].
-      beta: [B, T, H] write strengths, or None for 1.
-      g: None (DeltaNet), [B, T, H] scalar log-decay (Gated DeltaNet) or [B, T, H, K] channel
+      v: [B, T, HV, V], HV = G * H: grouped value heads (fla's GVA), value head i reads q/k
+        head i // G straight from q and k (their BlockSpecs map the head; dq, dk are summed
+        over each group).
+      beta: [B, T, HV] write strengths, or None for 1.
+      g: None (DeltaNet), [B, T, HV] scalar log-decay (Gated DeltaNet) or [B, T, HV, K] channel
         log-decay (KDA). Gates are assumed <= 0 (decays); any strength is exact.
       scale: query multiplier (1/sqrt(K) in the fla convention is the caller's choice).
-      initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens), float32 or None.
+      initial_state: [B, HV, K, V] (or [N, HV, K, V] with cu_seqlens), float32 or None.
       output_final_state: also return the final state(s).
       chunk_size: one of support.CHUNK_SIZES (16, 32, 64).
       cu_seqlens: None, or int32 [N + 1] offsets of N packed sequences in a batch of one;
@@ -240,7 +242,7 @@ def chunk_delta_family_gpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
       block_sizes: GpuBlockSizes (tiling, warps, storage dtypes), None for defaults.
 
     Returns:
-      (o [B, T, H, V] in v.dtype, final state [B or N, H, K, V] float32 or None).
+      (o [B, T, HV, V] in v.dtype, final state [B or N, HV, K, V] float32 or None).
     """
     q, k, v, beta, g, s0, cu, st = prepare(q, k, v, beta, g, scale, initial_state,
                                            output_final_state, chunk_size, cu_seqlens,

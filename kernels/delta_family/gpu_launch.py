@@ -27,19 +27,50 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Static:
+    """kc, bs: the kernels' configuration; n_seq: states (B, or N packed sequences); group:
+    value heads per q/k head (grouped value heads: the grids run over the HV = group * H value
+    heads, and value head h reads q/k head h // group)."""
     kc: gm.KernelCfg
     bs: GpuBlockSizes
     interpret: bool
     n_seq: int
+    group: int = 1
+
+
+def _value_heads(st, q):
+    """(B, Tp, HV, K) of a call whose q is [B, Tp, H, K]: the heads the grids run over."""
+    B, Tp, H, K = q.shape
+    return B, Tp, H * st.group, K
+
+
+def _dqk_dtype(st, x):
+    """dq, dk per value head: float32 when a group of them is summed afterwards (`_backward`)."""
+    return x.dtype if st.group == 1 else F32
 
 
 # ---------------------------------------------------------------------------------------------
 # pallas_call plumbing
 
 
-def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret, aliases=None):
+def _shared_head(spec, group):
+    """The BlockSpec of a q or k input ([B, Tp, H, K], head at block index 2) for grids over
+    value heads: value head h reads q/k head h // group (fla's GVA mapping)."""
+    index_map = spec.index_map
+
+    def shared(*idx):
+        out = tuple(index_map(*idx))
+        return out[:2] + (out[2] // group,) + out[3:]
+
+    return pl.BlockSpec(spec.block_shape, shared)
+
+
+def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret, aliases=None,
+          group=1):
     """ins: [(name, array, BlockSpec)], outs: [(name, ShapeDtypeStruct, BlockSpec)];
-    aliases: {input name: output name} written in place."""
+    aliases: {input name: output name} written in place; group > 1: the inputs named q and k
+    have H = HV / group heads and are shared by `group` consecutive value heads."""
+    if group > 1:
+        ins = [(n, a, _shared_head(sp, group) if n in ("q", "k") else sp) for n, a, sp in ins]
     names = [n for n, _, _ in ins] + [n for n, _, _ in outs]
     in_index = {n: i for i, (n, _, _) in enumerate(ins)}
     out_index = {n: i for i, (n, _, _) in enumerate(outs)}
@@ -153,7 +184,7 @@ def _gate_spec(kc, rows, vec):
 def _intra_forward(st: Static, q, k, v, beta, g, save):
     """K1: per-chunk W, U0 (and T, and P for KDA), all chunks in parallel."""
     kc, bs = st.kc, st.bs
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = _value_heads(st, q)
     V, C = kc.V, kc.C
     NT = Tp // C
     rows, vec = _chunk_specs(C)
@@ -172,7 +203,7 @@ def _intra_forward(st: Static, q, k, v, beta, g, save):
         outs.append(("p", _sds((B, Tp, H, C), F32), rows(C)))
     return _call(functools.partial(gpu_fwd.intra_fwd_kernel, cfg=kc, store_t=save), (NT, B, H), ins,
                  outs, name="delta_intra_fwd", num_warps=bs.num_warps_intra,
-                 num_stages=bs.num_stages_intra, interpret=st.interpret)
+                 num_stages=bs.num_stages_intra, interpret=st.interpret, group=st.group)
 
 
 def _intra_forward_split(st: Static, ins, outs, rows):
@@ -194,32 +225,32 @@ def _intra_forward_split(st: Static, ins, outs, rows):
         # operand only (O, P^T dO), which rounds it to bf16 for bf16 inputs anyway, so bf16
         # storage changes no bit and lets the readers load it as stored.
         pmat = _sds((B, Tp, H, C), outs[0][1].dtype)
-        bh = math.gcd(bs.diag_heads, H)
+        bh = 1 if st.group > 1 else math.gcd(bs.diag_heads, H)
         ts = _token_specs(C, bh)
         d = _call(functools.partial(gpu_fwd.channel_diag_fwd_kernel, cfg=kc), (Tp, H // bh, B),
                   [(n, a, ts["block"](kc.K) if n != "beta" else ts["bvec"])
                    for n, a, _ in solve_ins],
                   [("m", mbuf[1], ts["drow"]), ("p", pmat, ts["drow"])],
                   name="delta_intra_diag", num_warps=bs.num_warps_diag, num_stages=1,
-                  interpret=st.interpret)
+                  interpret=st.interpret, group=st.group)
         pair_ins = solve_ins + [("m_d", d["m"], rows(C)), ("p_d", d["p"], rows(C))]
         if kc.fuse_solve:       # T straight from the blocks: M is read, never written back
             r = _call(functools.partial(gpu_fwd.channel_pairs_kernel, cfg=kc), (NT, B, H),
                       pair_ins, [tmat, ("p", pmat, rows(C))], name="delta_intra_pairs",
                       num_warps=bs.num_warps_pairs, num_stages=bs.num_stages_pairs,
-                      interpret=st.interpret,
+                      interpret=st.interpret, group=st.group,
                       aliases={"p_d": "p"})
         else:
             r = _call(functools.partial(gpu_fwd.channel_pairs_kernel, cfg=kc), (NT, B, H),
                       pair_ins, [mbuf, ("p", pmat, rows(C))], name="delta_intra_pairs",
                       num_warps=bs.num_warps_pairs, num_stages=bs.num_stages_pairs,
-                      interpret=st.interpret,
+                      interpret=st.interpret, group=st.group,
                       aliases={"m_d": "m", "p_d": "p"})
             solve_ins = [x for x in ins if x[0] == "beta"] + [("m", r["m"], rows(C))]
             r.update(_call(functools.partial(gpu_fwd.intra_fwd_kernel, cfg=kc, store_t=True,
                                              part="solve"),
                            (NT, B, H), solve_ins, [tmat], name="delta_intra_solve",
-                           num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret))
+                           num_warps=bs.num_warps_solve, num_stages=1, interpret=st.interpret, group=st.group))
     else:
         # The wide A goes through a float32 scratch buffer that the inverse reads back.
         # (block_kkt: A stays in registers, no scratch.)
@@ -227,7 +258,7 @@ def _intra_forward_split(st: Static, ins, outs, rows):
         r = _call(functools.partial(gpu_fwd.intra_fwd_kernel, cfg=kc, store_t=True, part="solve"),
                   (NT, B, H), solve_ins, [tmat] + scratch, name="delta_intra_solve",
                   num_warps=bs.num_warps_solve, num_stages=bs.num_stages_solve,
-                  interpret=st.interpret)
+                  interpret=st.interpret, group=st.group)
     wu_ins = [x for x in ins if x[0] != "q" or kc.pre_gates] + [("tmat", r["tmat"], rows(C))]
     if kc.pre_gates and kc.gate == "scalar":
         outs = outs + [("gcum", _sds((B, Tp, H), F32), _chunk_specs(C)[1])]
@@ -240,7 +271,7 @@ def _intra_forward_split(st: Static, ins, outs, rows):
     r.update(_call(functools.partial(gpu_fwd.intra_fwd_kernel, cfg=kc, store_t=False, part="wu"),
                    (NT, B, H), wu_ins, outs, name="delta_intra_wu",
                    num_warps=bs.num_warps_intra, num_stages=bs.num_stages_intra,
-                   interpret=st.interpret))
+                   interpret=st.interpret, group=st.group))
     return r
 
 
@@ -256,7 +287,7 @@ def _state_forward(st: Static, q, k, v, g, s0, offs, r1, save):
 def _state_forward_lean(st: Static, q, k, v, g, s0, offs, r1):
     """K2, lean: h per chunk, v_new and the final state (no output)."""
     kc, bs = st.kc, st.bs
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = _value_heads(st, q)
     NT = Tp // kc.C
     NS = st.n_seq
     full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
@@ -281,13 +312,13 @@ def _state_forward_lean(st: Static, q, k, v, g, s0, offs, r1):
     return _call(functools.partial(gpu_fwd.state_fwd_lean_kernel, cfg=kc, nt_static=NT),
                  (NS, H, kc.V // kc.block_v), ins, outs, name="delta_state_fwd_lean",
                  num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
-                 interpret=st.interpret)
+                 interpret=st.interpret, group=st.group)
 
 
 def _output(st: Static, q, k, v, g, r1, r2):
     """K2o: O = (Gam q) h + P v_new for every chunk and V block in parallel."""
     kc, bs = st.kc, st.bs
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = _value_heads(st, q)
     V, C = kc.V, kc.C
     NT = Tp // C
     bvo = bs.block_v_out
@@ -309,13 +340,13 @@ def _output(st: Static, q, k, v, g, r1, r2):
     # V blocks vary fastest: the programs of one chunk run together and share q, k in L2.
     return _call(functools.partial(gpu_fwd.output_kernel, cfg=kc), (V // bvo, NT, B, H), ins, outs,
                  name="delta_output", num_warps=bs.num_warps_out, num_stages=bs.num_stages_out,
-                 interpret=st.interpret)["o"]
+                 interpret=st.interpret, group=st.group)["o"]
 
 
 def _state_forward_fused(st: Static, q, k, v, g, s0, offs, r1, save):
     """K2, fused: the sequential state pass over chunks with the output fused in."""
     kc, bs = st.kc, st.bs
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = _value_heads(st, q)
     NT = Tp // kc.C
     NS = st.n_seq
     full, vblk, svec, state, hs, ospec = _seq_specs(st, Tp, NT)
@@ -337,7 +368,7 @@ def _state_forward_fused(st: Static, q, k, v, g, s0, offs, r1, save):
     return _call(functools.partial(gpu_fwd.state_fwd_kernel, cfg=kc2, nt_static=NT),
                  (NS, H, kc.V // kc.block_v), ins, outs, name="delta_state_fwd",
                  num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
-                 interpret=st.interpret)
+                 interpret=st.interpret, group=st.group)
 
 
 def _forward(st: Static, q, k, v, beta, g, s0, offs, save):
@@ -354,7 +385,7 @@ def _forward(st: Static, q, k, v, beta, g, s0, offs, save):
 def _du_local(st: Static, q, k, g, res, do):
     """K3a: dU_local = P^T dO for every chunk and V block in parallel (float32)."""
     kc, bs = st.kc, st.bs
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = _value_heads(st, q)
     V, C = kc.V, kc.C
     NT = Tp // C
     bvo = bs.block_v_out
@@ -370,7 +401,7 @@ def _du_local(st: Static, q, k, g, res, do):
     outs = [("du", _sds((B, Tp, H, V), F32), vrows)]
     return _call(functools.partial(gpu_bwd.du_local_kernel, cfg=kc), (V // bvo, NT, B, H), ins, outs,
                  name="delta_du_local", num_warps=bs.num_warps_out, num_stages=1,
-                 interpret=st.interpret)["du"]
+                 interpret=st.interpret, group=st.group)["du"]
 
 
 def _state_backward(st: Static, q, k, g, offs, res, do, dsT):
@@ -378,7 +409,7 @@ def _state_backward(st: Static, q, k, g, offs, res, do, dsT):
     split_state_bwd, K3a computes dU_local first and the lean pass adds the state's part."""
     kc, bs = st.kc, st.bs
     split = bs.split_state_bwd
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = _value_heads(st, q)
     V = kc.V
     NT = Tp // kc.C
     NS = st.n_seq
@@ -409,13 +440,13 @@ def _state_backward(st: Static, q, k, g, offs, res, do, dsT):
                  (NS, H, V // kc.block_v), ins, outs,
                  name="delta_state_bwd_lean" if split else "delta_state_bwd",
                  num_warps=bs.num_warps_state, num_stages=bs.num_stages_state,
-                 interpret=st.interpret, aliases={"du_local": "du"} if split else None)
+                 interpret=st.interpret, group=st.group, aliases={"du_local": "du"} if split else None)
 
 
 def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
     """K4 (+ K4b for KDA): dq, dk, dv, dbeta, dg of every chunk in parallel."""
     kc, bs = st.kc, st.bs
-    B, Tp, H, K = q.shape
+    B, Tp, H, K = _value_heads(st, q)
     V, C = kc.V, kc.C
     NT = Tp // C
     rows, vec = _chunk_specs(C)
@@ -439,18 +470,19 @@ def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
                  ("dp", _sds((B, Tp, H, C), F32), rows(C)),
                  ("dm", _sds((B, Tp, H, C), F32), rows(C))]
     else:
-        outs += [("dq", _sds(q.shape, q.dtype), rows(K)), ("dk", _sds(k.shape, k.dtype), rows(K)),
+        outs += [("dq", _sds((B, Tp, H, K), _dqk_dtype(st, q)), rows(K)),
+                 ("dk", _sds((B, Tp, H, K), _dqk_dtype(st, k)), rows(K)),
                  ("dbeta", _sds(beta.shape, beta.dtype), vec)]
         if kc.gate == "scalar":
             outs.append(("dg", _sds(g.shape, g.dtype), vec))
     r4 = _call(functools.partial(gpu_bwd.intra_bwd_kernel, cfg=kc), (NT, B, H), ins, outs,
                name="delta_intra_bwd", num_warps=bs.num_warps_bwd,
-               num_stages=bs.num_stages_bwd, interpret=st.interpret)
+               num_stages=bs.num_stages_bwd, interpret=st.interpret, group=st.group)
     if kc.gate == "channel":
         # K4d: the diagonal blocks' pairwise terms, one program per token, added in place to
         # K4's dense parts (the gate's part to its own buffer); K4b: the off-diagonal ones and
         # the gate's reverse sum.
-        bh = math.gcd(bs.diag_heads, H)
+        bh = 1 if st.group > 1 else math.gcd(bs.diag_heads, H)
         ts = _token_specs(C, bh)
         blk, row = ts["block"](K), ts["row"](K)
         d = _call(functools.partial(gpu_bwd.channel_diag_bwd_kernel, cfg=kc), (Tp, H // bh, B),
@@ -462,20 +494,21 @@ def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
                    ("db", _sds((B, Tp, H), F32), ts["rvec"]),
                    ("dgd", _sds((B, Tp, H, K), F32), row)],
                   name="delta_intra_bwd_diag", num_warps=bs.num_warps_diag, num_stages=1,
-                  interpret=st.interpret,
+                  interpret=st.interpret, group=st.group,
                   aliases={"dq_in": "dq", "dk_in": "dk", "db_in": "db"})
         ins = [("q", q, rows(K)), ("k", k, rows(K)), ("beta", beta, vec), ("g", g, rows(K)),
                ("dq_p", d["dq"], rows(K)), ("dk_p", d["dk"], rows(K)),
                ("dg_p", r4["dg_p"], rows(K)), ("db_p", d["db"], vec),
                ("dp", r4["dp"], rows(C)), ("dm", r4["dm"], rows(C)),
                ("dgd", d["dgd"], rows(K))]
-        outs = [("dq", _sds(q.shape, q.dtype), rows(K)), ("dk", _sds(k.shape, k.dtype), rows(K)),
+        outs = [("dq", _sds((B, Tp, H, K), _dqk_dtype(st, q)), rows(K)),
+                ("dk", _sds((B, Tp, H, K), _dqk_dtype(st, k)), rows(K)),
                 ("dg", _sds(g.shape, g.dtype), rows(K)),
                 ("dbeta", _sds(beta.shape, beta.dtype), vec)]
         kc5 = dataclasses.replace(kc, block_k_pairs=bs.block_k_pairs_bwd)
         r5 = _call(functools.partial(gpu_bwd.intra_bwd_channel_kernel, cfg=kc5), (NT, B, H), ins,
                    outs, name="delta_intra_bwd_kda", num_warps=bs.num_warps_pairs_bwd,
-                   num_stages=bs.num_stages_bwd, interpret=st.interpret)
+                   num_stages=bs.num_stages_bwd, interpret=st.interpret, group=st.group)
         r4.update(r5)
     return r4
 
@@ -485,7 +518,12 @@ def _backward(st: Static, q, k, v, beta, g, s0, offs, res, do, dsT):
     r4 = _intra_backward(st, q, k, v, beta, g, res, do, r3)
     dg = r4.get("dg") if st.kc.gate != "none" else None
     ds0 = r3["ds0"].astype(s0.dtype) if s0 is not None else None
-    return r4["dq"], r4["dk"], r4["dv"], r4["dbeta"], dg, ds0
+    dq, dk = r4["dq"], r4["dk"]
+    if st.group > 1:        # each q/k head's gradient: the sum over its group of value heads
+        B, Tp, H, K = q.shape
+        dq = dq.reshape(B, Tp, H, st.group, K).sum(axis=3).astype(q.dtype)
+        dk = dk.reshape(B, Tp, H, st.group, K).sum(axis=3).astype(k.dtype)
+    return dq, dk, r4["dv"], r4["dbeta"], dg, ds0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -49,8 +49,10 @@ def kernel_head_dims(interpret: bool, *, value: bool = False) -> tuple[int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class DeltaCall:
-    """Sizes of one validated call. `n_states` is B, or N with `cu_seqlens` (packed sequences);
-    `steps` is delta_product's n_h (None for the other ops)."""
+    """Sizes of one validated call. `H`: heads of q and k; `HV`: heads of v, beta, g and the
+    state (grouped value heads, fla's GVA: HV = G * H, value head i reads q/k head i // G;
+    None means H). `n_states` is B, or N with `cu_seqlens` (packed sequences); `steps` is
+    delta_product's n_h (None for the other ops)."""
     B: int
     T: int
     H: int
@@ -59,6 +61,16 @@ class DeltaCall:
     n_states: int
     gate: str            # "none" | "scalar" | "channel"
     steps: int | None = None
+    HV: int | None = None
+
+    def __post_init__(self):
+        if self.HV is None:
+            object.__setattr__(self, "HV", self.H)
+
+    @property
+    def group(self) -> int:
+        """Value heads per q/k head (G = HV / H)."""
+        return self.HV // self.H
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,14 +215,16 @@ def _check_cu_seqlens(op, cu_seqlens, B, T, *, allow_traced):
 
 def check_delta_call(op, q, k, v, beta=None, g=None, initial_state=None, cu_seqlens=None, *,
                      gate_ranks=(3, 4), gate_required=False, steps=False, kernel=False,
-                     allow_traced_cu_seqlens=False):
+                     allow_traced_cu_seqlens=False, state_v_first=False):
     """Checks one delta-family call; returns (q, k, v, beta, g, initial_state, cu_seqlens, call).
 
-    Layouts: q [B, T, H, K]; k [B, T, H, K] and v [B, T, H, V] (with `steps`, delta_product's
-    k [B, T, H, n_h, K], v [B, T, H, n_h, V], beta [B, T, H, n_h]); beta [B, T, H] or None;
-    g None, scalar [B, T, H] or channel [B, T, H, K] (ranks in `gate_ranks`); initial_state
-    [B, H, K, V] (or [N, H, K, V] with cu_seqlens) or None; cu_seqlens None or int [N + 1]
-    offsets from 0 to T, non-decreasing, packing N sequences along T of a batch of one.
+    Layouts: q [B, T, H, K]; k [B, T, H, K] and v [B, T, HV, V] (with `steps`, delta_product's
+    k [B, T, H, n_h, K], v [B, T, H, n_h, V], beta [B, T, H, n_h]); beta [B, T, HV] or None;
+    g None, scalar [B, T, HV] or channel [B, T, HV, K] (ranks in `gate_ranks`); initial_state
+    [B, HV, K, V] (or [N, HV, K, V] with cu_seqlens; [.., V, K] with `state_v_first`, and
+    returned transposed to [.., K, V]) or None; cu_seqlens None or int [N + 1] offsets from 0
+    to T, non-decreasing, packing N sequences along T of a batch of one. HV = G * H (grouped
+    value heads, fla's GVA: value head i reads q/k head i // G); HV = H without steps only.
 
     `kernel`: also the kernels' own limits (q, k, v float32 or bfloat16 sharing one dtype, at
     least one token). `allow_traced_cu_seqlens`: traced offsets are trusted (the kernels build
@@ -233,11 +247,18 @@ def check_delta_call(op, q, k, v, beta=None, g=None, initial_state=None, cu_seql
     else:
         _check_rank(op, "k", k, "[B, T, H, K]")
         _check_shape(op, "k", k, (B, T, H, K), "[B, T, H, K]", "k must have q's shape.")
-        _check_rank(op, "v", v, "[B, T, H, V]")
-        _check_shape(op, "v", v, (B, T, H, v.shape[-1]), "[B, T, H, V]",
-                     "v must share B, T and H with q.")
-        beta_shape, beta_layout = (B, T, H), "[B, T, H]"
+        _check_rank(op, "v", v, "[B, T, HV, V]")
+        HV = v.shape[2]
+        if HV < 1 or HV % H:
+            raise ValueError(
+                f"{op}: argument `v` has HV = {HV} heads, not a multiple of the H = {H} heads of "
+                f"q and k; v [B, T, HV, V] takes HV = G * H heads (grouped value heads: value "
+                f"head i reads q/k head i // G). Pass v with a multiple of {H} heads.")
+        _check_shape(op, "v", v, (B, T, HV, v.shape[-1]), "[B, T, HV, V]",
+                     "v must share B and T with q.")
+        beta_shape, beta_layout = (B, T, HV), "[B, T, HV]"
     V = v.shape[-1]
+    HV = beta_shape[2]
     if kernel:
         if q.dtype not in KERNEL_DTYPES:
             raise TypeError(f"{op}: argument `q` must be float32 or bfloat16 for the kernels; got "
@@ -259,7 +280,7 @@ def check_delta_call(op, q, k, v, beta=None, g=None, initial_state=None, cu_seql
                              f"atlas_jax.ops.delta_rule.")
         gate = "none"
     else:
-        g = _check_gate(op, g, B, T, H, K, tuple(gate_ranks))
+        g = _check_gate(op, g, B, T, HV, K, tuple(gate_ranks))
         gate = "scalar" if g.ndim == 3 else "channel"
     n_states = B
     if cu_seqlens is not None:
@@ -267,11 +288,79 @@ def check_delta_call(op, q, k, v, beta=None, g=None, initial_state=None, cu_seql
                                                  allow_traced=allow_traced_cu_seqlens)
     if initial_state is not None:
         initial_state = _float_array(op, "initial_state", initial_state)
-        layout = "[N, H, K, V] (N packed sequences)" if cu_seqlens is not None else "[B, H, K, V]"
-        _check_shape(op, "initial_state", initial_state, (n_states, H, K, V), layout,
-                     "The state is float32 with keys on rows and values on columns.")
-    call = DeltaCall(B=B, T=T, H=H, K=K, V=V, n_states=n_states, gate=gate, steps=n)
+        rows = "N" if cu_seqlens is not None else "B"
+        kv = "V, K" if state_v_first else "K, V"
+        layout = f"[{rows}, {'HV' if HV != H else 'H'}, {kv}]"
+        if cu_seqlens is not None:
+            layout += " (N packed sequences)"
+        expected = (n_states, HV, V, K) if state_v_first else (n_states, HV, K, V)
+        _check_shape(op, "initial_state", initial_state, expected, layout,
+                     "The state is float32 with " + ("values on rows and keys on columns "
+                                                     "(state_v_first)." if state_v_first else
+                                                     "keys on rows and values on columns."))
+        if state_v_first:
+            initial_state = jnp.swapaxes(initial_state, -1, -2)
+    call = DeltaCall(B=B, T=T, H=H, K=K, V=V, n_states=n_states, gate=gate, steps=n, HV=HV)
     return q, k, v, beta, g, initial_state, cu_seqlens, call
+
+
+def check_fla_args(op, call: DeltaCall, g, beta, *, use_gate_in_kernel=False, A_log=None,
+                   dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                   safe_gate=False, lower_bound=None):
+    """Checks fla's activation arguments against a validated call; returns (A_log, dt_bias) as
+    float arrays ([HV]; dt_bias [HV] for the scalar gate, [HV, K] for the channel gate).
+
+    Rules (fla's, each error naming its argument): `A_log` and `dt_bias` only with
+    use_gate_in_kernel=True; use_gate_in_kernel needs g and A_log (the channel gate: A_log or
+    lower_bound); `A_log` has HV elements, `dt_bias` HV (scalar gate) or HV * K (channel gate);
+    safe_gate with use_gate_in_kernel needs lower_bound in [-5, 0); allow_neg_eigval needs
+    use_beta_sigmoid_in_kernel=True, which needs beta (its logits)."""
+    HV, K = call.HV, call.K
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is not None and not use_gate_in_kernel:
+            raise ValueError(f"{op}: argument `{name}` is only used with use_gate_in_kernel=True "
+                             f"(g is then the raw gate input); pass use_gate_in_kernel=True, or "
+                             f"drop `{name}` and pass the log-decay g.")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError(f"{op}: argument `allow_neg_eigval=True` requires "
+                         f"use_beta_sigmoid_in_kernel=True (beta = 2 * sigmoid(beta logits), in "
+                         f"[0, 2)), as fla. For a beta already in [0, 2], pass it as is.")
+    if use_beta_sigmoid_in_kernel and beta is None:
+        raise ValueError(f"{op}: argument `beta` is required with use_beta_sigmoid_in_kernel=True "
+                         f"(its logits, [B, T, HV]).")
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real) \
+                or not math.isfinite(lower_bound):
+            raise ValueError(f"{op}: argument `lower_bound` must be a finite float (e.g. -5.0); "
+                             f"got {lower_bound!r}.")
+    if not use_gate_in_kernel:
+        return None, None
+    if g is None:
+        raise ValueError(f"{op}: argument `g` (the raw gate input) is required with "
+                         f"use_gate_in_kernel=True.")
+    if safe_gate and (lower_bound is None or not -5.0 <= lower_bound < 0.0):
+        raise ValueError(f"{op}: argument `lower_bound` must be in [-5, 0) with safe_gate=True and "
+                         f"use_gate_in_kernel=True (the gate is then lower_bound * "
+                         f"sigmoid(exp(A_log) * (g + dt_bias))); got {lower_bound!r}.")
+    if A_log is None and (call.gate != "channel" or lower_bound is None):
+        need = "" if call.gate != "channel" else " (or lower_bound)"
+        raise ValueError(f"{op}: argument `A_log` [HV] = ({HV},) is required with "
+                         f"use_gate_in_kernel=True{need}.")
+    if A_log is not None:
+        A_log = _float_array(op, "A_log", A_log)
+        if A_log.size != HV:
+            raise ValueError(f"{op}: argument `A_log` must have shape [HV] = ({HV},), one per value "
+                             f"head; got {tuple(A_log.shape)}.")
+        A_log = A_log.reshape(HV)
+    if dt_bias is not None:
+        dt_bias = _float_array(op, "dt_bias", dt_bias)
+        shape, layout = ((HV,), "[HV]") if call.gate == "scalar" else ((HV, K), "[HV * K]")
+        if dt_bias.size != math.prod(shape):
+            raise ValueError(f"{op}: argument `dt_bias` must have shape {layout} = "
+                             f"({math.prod(shape)},), added to g before the activation; got "
+                             f"{tuple(dt_bias.shape)}.")
+        dt_bias = dt_bias.reshape(shape)
+    return A_log, dt_bias
 
 
 def check_kernel_head_dims(op, K, V, *, interpret):

@@ -148,6 +148,11 @@ def _core_bwd(cfg, res, cts):
         dh, dh0 = tk.state_bwd(cfg, w, kd, qe, d, do, dfin, seq, last)
         dq, dk, dv, db, dg = tk.intra_bwd(cfg, q, k, v, beta, g, h, dh, do)
     dh0 = jnp.where(has[:, None, None, None] == 1, dh0, dfin)
+    B, H, Tp, K = q.shape
+    group = v.shape[1] // H
+    if group > 1:       # grouped value heads: each q/k head sums its group's gradients
+        dq = dq.reshape(B, H, group, Tp, K).sum(axis=2)
+        dk = dk.reshape(B, H, group, Tp, K).sum(axis=2)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db,
             None if g is None else dg, dh0, None, None, None, None)
 
@@ -200,8 +205,8 @@ def _packed_layout(cu, T, C):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _run(cfg, output_final_state, q, k, v, beta, g, h0, cu):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2:]              # value heads (HV = G * H with grouped value heads)
     C = cfg.chunk
     beta = jnp.ones((B, T, H), F32) if beta is None else beta.astype(F32)
     g = None if g is None else g.astype(F32)
@@ -262,9 +267,10 @@ def chunk_delta_family_tpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
 
     Args:
       q, k: [B, T, H, K] queries and keys, float32 or bfloat16 (same dtype as v).
-      v: [B, T, H, V] values.
-      beta: [B, T, H] write strengths, or None for 1.0.
-      g: None (DeltaNet), [B, T, H] scalar log-decay (Gated DeltaNet) or [B, T, H, K]
+      v: [B, T, HV, V] values; HV = G * H: grouped value heads (fla's GVA), value head i reads
+        q/k head i // G through the kernels' BlockSpecs (dq, dk summed over each group).
+      beta: [B, T, HV] write strengths, or None for 1.0.
+      g: None (DeltaNet), [B, T, HV] scalar log-decay (Gated DeltaNet) or [B, T, HV, K]
         per-key-channel log-decay (KDA); alpha = exp(g), normally g <= 0.
       scale: multiplier on q (a Python float; the ops layer passes 1/sqrt(K)).
       initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens) start states, or None.

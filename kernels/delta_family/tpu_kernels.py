@@ -79,10 +79,25 @@ def _intra_fwd_kernel(*refs, cfg, full):
         o0_ref[...] = tm.mm(f["p"], f["u0"])
 
 
+def _shared(spec, group):
+    """The BlockSpec of q or k ([B, H, Tp, K]) on a grid over value heads: grouped value heads
+    (HV = group * H) read q/k head h // group, as fla's GVA."""
+    if group == 1:
+        return spec
+    index_map = spec.index_map
+
+    def shared(*idx):
+        out = tuple(index_map(*idx))
+        return (out[0], out[1] // group) + out[2:]
+
+    return pl.BlockSpec(spec.block_shape, shared)
+
+
 def intra_fwd(cfg, q, k, v, beta, g, *, full=True):
     """Returns (W, Kd, Qe [B,H,Tp,K], D [B,H,N,Kd,1] or None, U0, O0 [B,H,Tp,V] if full)."""
-    B, H, Tp, K = q.shape
+    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
     V = v.shape[-1]
+    G = H // q.shape[1]
     C = cfg.chunk
     N = Tp // C
     gated = cfg.mode != "none"
@@ -91,7 +106,7 @@ def intra_fwd(cfg, q, k, v, beta, g, *, full=True):
     def tok(d):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
 
-    in_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else [])
+    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else [])
     out_specs = [tok(K), tok(K), tok(K)]
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), F32)] * 3
     if gated:
@@ -295,8 +310,9 @@ def _intra_bwd_kernel(*refs, cfg):
 
 def intra_bwd(cfg, q, k, v, beta, g, h, dh, do):
     """Returns (dq, dk [B,H,Tp,K], dv [B,H,Tp,V], dbeta [B,H,Tp,1], dg [B,H,Tp,Kg] or None), f32."""
-    B, H, Tp, K = q.shape
+    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
     V = v.shape[-1]
+    G = H // q.shape[1]
     C = cfg.chunk
     N = Tp // C
     gated = cfg.mode != "none"
@@ -306,7 +322,7 @@ def intra_bwd(cfg, q, k, v, beta, g, h, dh, do):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
 
     state = pl.BlockSpec((None, None, None, K, V), lambda b, h, n: (b, h, n, 0, 0))
-    in_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state, state,
+    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state, state,
                                                                                   tok(V)]
     out_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else [])
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), F32)] * 2 + [
@@ -363,8 +379,9 @@ def fused_fwd(cfg, q, k, v, beta, g, h0, seq, first, *, save_h):
 
     Returns (o [B,H,Tp,V] in v.dtype, final [S,H,K,V] f32, h [B,H,N,K,V] f32 or None).
     """
-    B, H, Tp, K = q.shape
+    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
     V = v.shape[-1]
+    G = H // q.shape[1]
     C = cfg.chunk
     N = Tp // C
     gated = cfg.mode != "none"
@@ -374,7 +391,7 @@ def fused_fwd(cfg, q, k, v, beta, g, h0, seq, first, *, save_h):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n, sq, fr: (b, h, n, 0))
 
     state = pl.BlockSpec((None, None, K, V), lambda b, h, n, sq, fr: (b + sq[n], h, 0, 0))
-    in_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state]
+    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state]
     out_specs = [tok(V), state]
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), v.dtype),
                  jax.ShapeDtypeStruct(h0.shape, F32)]
@@ -434,8 +451,9 @@ def _fused_bwd_kernel(seq_ref, last_ref, *refs, cfg, n_chunks):
 def fused_bwd(cfg, q, k, v, beta, g, h, do, dfin, seq, last):
     """One reverse sequential kernel, grid (B, H, N): returns (dq, dk, dv, dbeta, dg or None,
     dh0 [S,H,K,V]), float32."""
-    B, H, Tp, K = q.shape
+    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
     V = v.shape[-1]
+    G = H // q.shape[1]
     C = cfg.chunk
     N = Tp // C
     gated = cfg.mode != "none"
@@ -448,7 +466,7 @@ def fused_bwd(cfg, q, k, v, beta, g, h, do, dfin, seq, last):
                          lambda b, h, n, sq, ls: (b + sq[N - 1 - n], h, 0, 0))
     hspec = pl.BlockSpec((None, None, None, K, V),
                          lambda b, h, n, sq, ls: (b, h, N - 1 - n, 0, 0))
-    in_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [
+    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [
         hspec, tok(V), state]
     out_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state]
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), F32)] * 2 + [

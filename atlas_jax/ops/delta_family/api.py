@@ -13,6 +13,7 @@ fla-compatible ops below are thin wrappers over it, and the forms call it too.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -74,7 +75,12 @@ def _l2norm(x):
 
 def _execute(impl, q, k, v, beta, g, *, delta, scale, initial_state, output_final_state,
              chunk_size, cu_seqlens=None, normalize_qk=False):
-    """Runs a validated call with a chosen impl ("recurrent", "chunk" or "pallas")."""
+    """Runs a validated call with a chosen impl ("recurrent", "chunk" or "pallas"). Grouped
+    value heads (v with HV = G * H heads): the kernels read q/k head i // G for value head i;
+    the XLA forms repeat q and k per group (autodiff sums their gradients over the group)."""
+    group = v.shape[2] // q.shape[2]
+    if group > 1 and impl != "pallas":
+        q, k = jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)
     if impl == "pallas":
         return _pallas_kernel()(q, k, v, beta, g, scale=float(scale), initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=int(chunk_size),
@@ -119,29 +125,64 @@ def _execute_packed_xla(impl, q, k, v, beta, g, *, cu_seqlens, initial_state, **
 
 
 def _validate(op, q, k, v, beta, g, *, scale, initial_state, impl, chunk_size, cu_seqlens,
-              delta, gate_ranks=(3, 4), gate_required=False, steps=False):
-    """The one checker (support.py), then the impl; returns the arrays, the impl and the scale."""
+              delta, gate_ranks=(3, 4), gate_required=False, steps=False, state_v_first=False):
+    """The one checker (support.py), then the impl; returns the arrays (initial_state as
+    [.., K, V]), the impl, the scale and the call's sizes."""
     support.check_impl(op, impl)
     support.check_chunk_size(op, chunk_size)
     support.check_scale(op, scale)
     q, k, v, beta, g, s0, cu, call = support.check_delta_call(
         op, q, k, v, beta, g, initial_state, cu_seqlens, gate_ranks=gate_ranks,
-        gate_required=gate_required, steps=steps, allow_traced_cu_seqlens=True)
+        gate_required=gate_required, steps=steps, allow_traced_cu_seqlens=True,
+        state_v_first=state_v_first)
     impl = _choose_impl(op, impl, call, q, k, v, chunk_size, delta)
     if cu is not None and impl != "pallas":     # the XLA forms lay out packed rows on the host
         support.require_concrete_cu_seqlens(op, cu, impl)
     scale = 1.0 / math.sqrt(call.K) if scale is None else scale
-    return q, k, v, beta, g, s0, cu, impl, scale
+    return q, k, v, beta, g, s0, cu, impl, scale, call
+
+
+@functools.partial(jax.jit, static_argnames=("channel", "beta_sigmoid", "neg_eigval",
+                                             "lower_bound"))
+def _activations(beta, g, A_log, dt_bias, *, channel, beta_sigmoid, neg_eigval, lower_bound):
+    """fla's in-kernel activations, in float32 (differentiable in every argument):
+      beta <- sigmoid(beta) (2 * sigmoid(beta) with neg_eigval) when beta_sigmoid;
+      g <- -exp(A_log) * softplus(g + dt_bias), or for the channel gate with a lower_bound
+      lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), when A_log or lower_bound is given
+      (g None: unchanged). A_log [HV] (None: 1 for the exp), dt_bias [HV] or [HV, K] or None."""
+    f32 = jnp.float32
+    if beta_sigmoid:
+        beta = jax.nn.sigmoid(beta.astype(f32))
+        if neg_eigval:
+            beta = 2.0 * beta
+    if g is not None and (A_log is not None or lower_bound is not None):
+        x = g.astype(f32)
+        if dt_bias is not None:
+            x = x + dt_bias.astype(f32)
+        a = 1.0 if A_log is None else jnp.exp(A_log.astype(f32))
+        if channel and A_log is not None:
+            a = a[:, None]
+        if channel and lower_bound is not None:
+            g = lower_bound * jax.nn.sigmoid(a * x)
+        else:
+            g = -a * jax.nn.softplus(x)
+    return beta, g
 
 
 def run_delta_family(q, k, v, beta, g=None, *, delta: bool = True, scale=None,
                      initial_state=None, output_final_state=False, impl="auto", chunk_size=64,
-                     cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+                     cu_seqlens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                     allow_neg_eigval=False, state_v_first=False, safe_gate=False,
+                     lower_bound=None):
     """Validates and runs one delta-family recurrence; the entry of the ops and the forms.
 
     Args:
-      q, k: [B, T, H, K]. v: [B, T, H, V]. beta: [B, T, H] (None means 1.0).
-      g: None (no decay), [B, T, H] scalar or [B, T, H, K] per-key-channel log-decay.
+      q, k: [B, T, H, K]. v: [B, T, HV, V] with HV = G * H (grouped value heads, fla's GVA:
+        value head i reads q/k head i // G; HV = H is the plain case). beta: [B, T, HV]
+        (None means 1.0).
+      g: None (no decay), [B, T, HV] scalar or [B, T, HV, K] per-key-channel log-decay (with
+        use_gate_in_kernel: the raw gate input).
       delta: True: the delta write S + beta_t k_t (v_t - S^T k_t)^T; False: linear attention's
         additive write S + beta_t k_t v_t^T (the XLA forms only).
       scale: query scale, default 1/sqrt(K).
@@ -157,26 +198,61 @@ def run_delta_family(q, k, v, beta, g=None, *, delta: bool = True, scale=None,
         impls.
       use_qk_l2norm_in_kernel: L2-normalise q and k first (x / sqrt(sum x^2 + L2NORM_EPS)),
         inside the kernel for impl="pallas".
+      use_gate_in_kernel, A_log, dt_bias: fla's fused gate: g is the raw input and the
+        log-decay is -exp(A_log) * softplus(g + dt_bias) (A_log [HV]; dt_bias None, [HV] for
+        a scalar gate, [HV * K] for a channel gate), computed in float32 inside the op;
+        gradients reach g, A_log and dt_bias.
+      safe_gate, lower_bound (channel gate): with use_gate_in_kernel and a lower_bound, the
+        log-decay is lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), in [lower_bound, 0)
+        (A_log may then be None: exp(A_log) = 1); safe_gate=True needs lower_bound in
+        [-5, 0) there. safe_gate is fla's speed hint for its kernels and changes no number
+        here (every impl is exact at any gate strength); without use_gate_in_kernel both are
+        accepted and unused, as in fla.
+      use_beta_sigmoid_in_kernel: beta holds logits; the write strength is sigmoid(beta)
+        (float32), or 2 * sigmoid(beta) in [0, 2) with allow_neg_eigval=True (negative
+        eigenvalues of the state transition, which requires use_beta_sigmoid_in_kernel).
+      state_v_first: initial and final states in the [.., V, K] layout (fla's V-first).
 
     Returns:
-      (o [B, T, H, V] in v.dtype, final state [B or N, H, K, V] float32 or None).
+      (o [B, T, HV, V] in v.dtype, final state [B or N, HV, K, V] ([.., V, K] with
+      state_v_first) float32 or None).
     """
     return _run_op("run_delta_family", q, k, v, beta, g, delta=delta, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                   safe_gate=safe_gate, lower_bound=lower_bound)
 
 
 def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_state, impl,
             chunk_size, cu_seqlens, use_qk_l2norm_in_kernel, gate_ranks=(3, 4),
-            gate_required=False):
-    q, k, v, beta, g, s0, cu, impl, scale = _validate(
+            gate_required=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+            use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+            safe_gate=False, lower_bound=None):
+    q, k, v, beta, g, s0, cu, impl, scale, call = _validate(
         op, q, k, v, beta, g, scale=scale, initial_state=initial_state, impl=impl,
         chunk_size=chunk_size, cu_seqlens=cu_seqlens, delta=delta, gate_ranks=gate_ranks,
-        gate_required=gate_required)
-    return _execute(impl, q, k, v, beta, g, delta=delta, scale=scale, initial_state=s0,
+        gate_required=gate_required, state_v_first=state_v_first)
+    A_log, dt_bias = support.check_fla_args(
+        op, call, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound)
+    if use_gate_in_kernel or use_beta_sigmoid_in_kernel:
+        lb = float(lower_bound) if use_gate_in_kernel and lower_bound is not None else None
+        beta, g_act = _activations(
+            beta, g if use_gate_in_kernel else None, A_log, dt_bias,
+            channel=call.gate == "channel", beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
+            neg_eigval=bool(allow_neg_eigval), lower_bound=lb)
+        g = g_act if use_gate_in_kernel else g
+    o, s = _execute(impl, q, k, v, beta, g, delta=delta, scale=scale, initial_state=s0,
                     output_final_state=output_final_state, chunk_size=chunk_size,
                     cu_seqlens=cu, normalize_qk=use_qk_l2norm_in_kernel)
+    if s is not None and state_v_first:
+        s = jnp.swapaxes(s, -1, -2)
+    return o, s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,48 +260,67 @@ def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_s
 
 
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
-               impl="auto", chunk_size=64, cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+               impl="auto", chunk_size=64, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False):
     """DeltaNet: S <- S + beta_t k_t (v_t - S^T k_t)^T, o_t = S^T (scale q_t).
 
     Args:
-      q, k: [B, T, H, K]. v: [B, T, H, V]. beta: [B, T, H] (None means 1.0).
+      q, k: [B, T, H, K]. v: [B, T, HV, V] (HV = G * H grouped value heads). beta: [B, T, HV]
+      (None means 1.0).
       Others as `run_delta_family` (scale, initial_state, output_final_state, impl, chunk_size,
-      cu_seqlens, use_qk_l2norm_in_kernel).
+      cu_seqlens, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+      state_v_first; fla's delta rule has none of the last three, gated_delta_rule's do).
 
     Returns:
-      (o [B, T, H, V] in v.dtype, final state [B or N, H, K, V] float32 or None).
+      (o [B, T, HV, V] in v.dtype, final state [B or N, HV, K, V] float32 or None).
     """
     return _run_op("delta_rule", q, k, v, beta, None, delta=True, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                      output_final_state=False, impl="auto", chunk_size=64, cu_seqlens=None,
-                     use_qk_l2norm_in_kernel=False):
-    """Gated DeltaNet: delta_rule with a scalar log-decay g [B, T, H] applied before each write.
+                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                     dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                     state_v_first=False):
+    """Gated DeltaNet: delta_rule with a scalar log-decay g [B, T, HV] applied before each write.
 
-    Arguments and returns as `delta_rule`; g is required.
+    Arguments and returns as `delta_rule` and `run_delta_family`; g is required (with
+    use_gate_in_kernel=True the raw input of g = -exp(A_log) * softplus(g + dt_bias), A_log and
+    dt_bias [HV]), as fla's chunk_gated_delta_rule.
     """
     return _run_op("gated_delta_rule", q, k, v, beta, g, delta=True, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_ranks=(3,),
-                   gate_required=True)
+                   gate_required=True, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        impl="auto", chunk_size=64, cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-    """Kimi Delta Attention: delta_rule with a per-key-channel log-decay g [B, T, H, K].
+        impl="auto", chunk_size=64, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+        use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+        allow_neg_eigval=False, state_v_first=False, safe_gate=False, lower_bound=None):
+    """Kimi Delta Attention: delta_rule with a per-key-channel log-decay g [B, T, HV, K].
 
-    Arguments and returns as `delta_rule`; g is required.
+    Arguments and returns as `delta_rule` and `run_delta_family`; g is required (with
+    use_gate_in_kernel=True the raw input of g = -exp(A_log) * softplus(g + dt_bias), or
+    lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) with a lower_bound; A_log [HV], dt_bias
+    [HV * K]), as fla's chunk_kda.
     """
     return _run_op("kda", q, k, v, beta, g, delta=True, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_ranks=(4,),
-                   gate_required=True)
+                   gate_required=True, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                   safe_gate=safe_gate, lower_bound=lower_bound)
 
 
 def linear_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
@@ -256,7 +351,7 @@ def delta_product(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Returns:
       (o [B, T, H, V] in v.dtype, final state [B, H, K, V] float32 or None).
     """
-    q, k, v, beta, g, s0, cu, impl, scale = _validate(
+    q, k, v, beta, g, s0, cu, impl, scale, _ = _validate(
         "delta_product", q, k, v, beta, g, scale=scale, initial_state=initial_state, impl=impl,
         chunk_size=chunk_size, cu_seqlens=cu_seqlens, delta=True, steps=True)
     B, T, H, n, K = k.shape
