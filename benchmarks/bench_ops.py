@@ -12,6 +12,13 @@ benchmarks/README.md):
     python3 benchmarks/bench_ops.py --memory ours --shapes 1,65536,16,128   # peak memory
     python3 benchmarks/report.py $OUT/bench_ops.json                         # Markdown table
 
+fla's parity arguments (issue 23), with --parity: the fused gate and beta activation
+(use_gate_in_kernel with A_log, dt_bias, use_beta_sigmoid_in_kernel: "gdn_gate", "kda_gate")
+and grouped value heads (HV = 2 H: "gdn_gva", "kda_gva"), ours fused / grouped against ours
+unfused (activations outside, in the same jit; q and k repeated per group) and fla's same call:
+
+    python3 benchmarks/bench_ops.py --parity --shapes 4,4096,16,128 --fla
+
 Timing: ours is the median over --reps repetitions of as many back-to-back jitted calls as fill
 ~20 ms, per call; fla's is the faster of triton's do_bench and that same method (both kept in
 the JSON). Correctness on the GPU is `pytest -m gpu tests/test_kernels_gpu.py`, not this script.
@@ -121,6 +128,169 @@ def peak_memory(ops, shape, names, who, res):
             timing.log(f"[memory] {key} {op}/{who} ERROR {type(e).__name__}: {str(e)[:1000]}")
 
 
+PARITY = ("gdn_gate", "kda_gate", "gdn_gva", "kda_gva")
+
+
+def parity_inputs_jax(case, B, T, H, D, seed=1):
+    """bf16 q, k (unit), v [B, T, HV, D]; the gate cases: raw g (float32), beta logits (bf16),
+    A_log [HV] = log U(1, 16), dt_bias ([HV] or [HV * D]); the grouped cases (HV = 2 H):
+    g = logsigmoid, beta = sigmoid (activated). And a cotangent [B, T, HV, D]."""
+    import jax
+    import jax.numpy as jnp
+    kda = case.startswith("kda")
+    HV = 2 * H if case.endswith("gva") else H
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    bf = jnp.bfloat16
+
+    def l2(x):
+        return x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+
+    q = l2(jax.random.normal(ks[0], (B, T, H, D))).astype(bf)
+    k = l2(jax.random.normal(ks[1], (B, T, H, D))).astype(bf)
+    v = jax.random.normal(ks[2], (B, T, HV, D)).astype(bf)
+    graw = jax.random.normal(ks[3], (B, T, HV, D) if kda else (B, T, HV))
+    braw = jax.random.normal(ks[4], (B, T, HV))
+    A_log = jnp.log(jax.random.uniform(ks[5], (HV,), minval=1.0, maxval=16.0))
+    dt_bias = 0.1 * jax.random.normal(ks[6], (HV * D,) if kda else (HV,))
+    do = jax.random.normal(ks[7], (B, T, HV, D)).astype(bf)
+    if case.endswith("gva"):
+        return dict(q=q, k=k, v=v, g=jax.nn.log_sigmoid(graw),
+                    beta=jax.nn.sigmoid(braw).astype(bf)), do
+    return dict(q=q, k=k, v=v, g=graw, beta=braw.astype(bf), A_log=A_log,
+                dt_bias=dt_bias), do
+
+
+def parity_fns(ops, case, variant):
+    """Jitted fwd(**x) and fwdbwd(x, do) of ours: variant "fused" (the parity arguments) or
+    "unfused" (activations outside in the same jit / q, k repeated per group)."""
+    import jax
+    import jax.numpy as jnp
+    kda = case.startswith("kda")
+    op = ops.kda if kda else ops.gated_delta_rule
+
+    def fwd(x):
+        q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+        if case.endswith("gate") and variant == "fused":
+            return op(q, k, v, g, beta, use_gate_in_kernel=True, A_log=x["A_log"],
+                      dt_bias=x["dt_bias"], use_beta_sigmoid_in_kernel=True, impl="pallas")[0]
+        if case.endswith("gate"):
+            a = jnp.exp(x["A_log"].astype(jnp.float32))
+            bias = x["dt_bias"]
+            if kda:
+                a, bias = a[:, None], bias.reshape(a.shape[0], -1)
+            g = -a * jax.nn.softplus(g.astype(jnp.float32) + bias)
+            beta = jax.nn.sigmoid(beta.astype(jnp.float32))
+        elif variant == "unfused":
+            G = v.shape[2] // q.shape[2]
+            q, k = jnp.repeat(q, G, axis=2), jnp.repeat(k, G, axis=2)
+        return op(q, k, v, g, beta, impl="pallas")[0]
+
+    def fwdbwd(x, do):
+        return jax.vjp(fwd, x)[1](do)
+
+    return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def parity_fla(case, B, T, H, D):
+    """fla's same call (torch): (fn() -> o, do), or None when fla does not import."""
+    import torch
+    import torch.nn.functional as F
+    if timing.fla_ops() is None:          # also lifts fla's Triton guard, as for the other rows
+        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+    kda = case.startswith("kda")
+    HV = 2 * H if case.endswith("gva") else H
+    dev, bf = "cuda", torch.bfloat16
+    unit = lambda: F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).to(bf)   # noqa: E731
+    q, k = unit().requires_grad_(), unit().requires_grad_()
+    v = torch.randn(B, T, HV, D, device=dev, dtype=bf).requires_grad_()
+    graw = torch.randn(*((B, T, HV, D) if kda else (B, T, HV)), device=dev)
+    braw = torch.randn(B, T, HV, device=dev)
+    do = torch.randn(B, T, HV, D, device=dev, dtype=bf)
+    fn = chunk_kda if kda else chunk_gated_delta_rule
+    if case.endswith("gva"):
+        g = F.logsigmoid(graw).requires_grad_()
+        beta = torch.sigmoid(braw).to(bf).requires_grad_()
+        return (lambda: fn(q, k, v, g, beta)[0]), do
+    A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16)).requires_grad_()
+    dt_bias = (0.1 * torch.randn(HV * D if kda else HV, device=dev)).requires_grad_()
+    g, beta = graw.requires_grad_(), braw.to(bf).requires_grad_()
+    return (lambda: fn(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                       use_beta_sigmoid_in_kernel=True)[0]), do
+
+
+def bench_parity(ops, shape, cases, reps, with_fla, res):
+    import jax
+    B, T, H, D = shape
+    key = "x".join(map(str, shape))
+    for case in cases:
+        x, do = parity_inputs_jax(case, B, T, H, D)
+        for variant in ("fused", "unfused"):
+            fwd, fwdbwd = parity_fns(ops, case, variant)
+            for mode, fn, args in (("fwd", fwd, (x,)), ("fwdbwd", fwdbwd, (x, do))):
+                name = f"{case}/{variant}/{mode}"
+                try:
+                    jax.block_until_ready(fn(*args))
+                    res[name] = timing.time_jax(fn, *args, reps=reps)
+                    timing.log(f"[ours] {key} {name:26s} {res[name]:8.3f} ms")
+                except Exception as e:  # noqa: BLE001
+                    res[name] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                    timing.log(f"[ours] {key} {name} ERROR {type(e).__name__}: {str(e)[:1500]}")
+        del x, do
+        if not with_fla:
+            continue
+        import torch
+        import triton.testing as tt
+        try:
+            made = parity_fla(case, B, T, H, D)
+        except Exception as e:  # noqa: BLE001
+            made = None
+            res[f"{case}/fla/error"] = repr(e)[:300]
+            timing.log(f"[fla]  {key} {case} ERROR {e!r}"[:1500])
+        if made is None:
+            continue
+        f, fdo = made
+        for mode in ("fwd", "fwdbwd"):
+            call = f if mode == "fwd" else (lambda: f().backward(fdo))
+            try:
+                for _ in range(6):
+                    call()
+                torch.cuda.synchronize()
+                dob = tt.do_bench(call, warmup=40, rep=200, return_mode="median")
+                wall = timing.wall_ms(call, lambda out=None: torch.cuda.synchronize(), reps)
+                res[f"{case}/fla/{mode}"] = min(dob, wall)
+                timing.log(f"[fla]  {key} {case}/fla/{mode:7s} {min(dob, wall):8.3f} ms   "
+                           f"(do_bench {dob:.3f}, wall {wall:.3f})")
+            except Exception as e:  # noqa: BLE001
+                res[f"{case}/fla/error"] = repr(e)[:300]
+                timing.log(f"[fla]  {key} {case} ERROR {e!r}"[:1500])
+        del f, fdo
+        torch.cuda.empty_cache()
+
+
+def parity_table(results):
+    timing.log("\n=== parity rows (ms, bf16; x = other / fused: > 1 means the fused call is "
+               "faster) ===")
+    for key, res in results["bench_ms"].items():
+        timing.log(f"-- {key}")
+        for case in PARITY:
+            for mode in ("fwd", "fwdbwd"):
+                ours = res.get(f"{case}/fused/{mode}")
+                if ours is None:
+                    continue
+                row = [f"{case:9s} {mode:7s}"]
+                for label in ("fused", "unfused", "fla"):
+                    val = res.get(f"{case}/{label}/{mode}")
+                    if isinstance(val, float):
+                        ratio = (f" x{val / ours:.2f}" if isinstance(ours, float)
+                                 and label != "fused" else "")
+                        row.append(f"{label}={val:.3f}{ratio}")
+                    elif val is not None:
+                        row.append(f"{label}=ERR")
+                timing.log("  " + "  ".join(row))
+
+
 def table(results, names, impls):
     timing.log("\n=== summary (ms, bf16; ratio = fla / ours: > 1 means ours is faster) ===")
     labels = [{"pallas": "pallas", "chunk": "xla"}[i] for i in impls] + ["fla"]
@@ -155,6 +325,9 @@ def main():
                     help="fwd alone skips fla's fwd+bwd, whose first call autotunes for minutes")
     ap.add_argument("--memory", choices=["ours", "fla"],
                     help="peak memory of one fwd+bwd instead of times (one side per process)")
+    ap.add_argument("--parity", action="store_true",
+                    help="fla's parity rows instead: fused gate and grouped value heads "
+                         "(HV = 2 H), ours fused / unfused and (--fla) fla's same call")
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions")
     ap.add_argument("--out", default=None, help="folder for bench_ops.json (default $OUT)")
     args = ap.parse_args()
@@ -169,13 +342,18 @@ def main():
         key = "x".join(map(str, shape))
         if args.memory:
             peak_memory(ops, shape, args.ops, args.memory, results["memory_fwd_bwd_peak_GB"].setdefault(key, {}))
+        elif args.parity:
+            bench_parity(ops, shape, PARITY, args.reps, args.fla,
+                         results["bench_ms"].setdefault(key, {}))
         else:
             res = results["bench_ms"].setdefault(key, {})
             bench_ours(ops, shape, args.ops, args.impls, args.reps, res)
             if args.fla:
                 bench_fla(shape, args.ops, args.reps, args.fla_modes, res, results)
         timing.save_json(results, args.out, "bench_ops.json")
-    if not args.memory:
+    if args.parity:
+        parity_table(results)
+    elif not args.memory:
         table(results, args.ops, args.impls)
 
 
