@@ -259,7 +259,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--reference", action="store_true", help="also run the materialising chunked form")
     parser.add_argument("--compile-only", action="store_true", help="XLA's memory analysis, no run")
-    parser.add_argument("--timeout", type=int, default=600, help="seconds per entry (default 600)")
+    parser.add_argument("--timeout", type=int, default=240,
+                        help="seconds per entry (default 240: the device tool allows 600 s per command)")
     parser.add_argument("--root", default=None, help="checkout to import atlas_jax from (default: this one)")
     parser.add_argument("--out", default=None, help="folder for deep_memory.json / .md (default $OUT)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
