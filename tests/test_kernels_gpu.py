@@ -521,6 +521,131 @@ def test_triton_lowering_value_head_dim_512(gate):
     check_lowering(10, gate, 256, 512, jnp.bfloat16)
 
 
+# Shared memory per kernel, estimated from the kernels' jaxprs (no GPU needed). H100 gives a
+# block at most 232448 bytes (227 KiB); Triton keeps dot operands there, and loads that feed dots
+# inside pipelined loops take one buffer per stage. The model: per kernel, the largest group of
+# dots sharing operands (a float32 product is six bf16 dots of three bf16 parts of each operand,
+# all counted) plus, at num_stages > 1, num_stages buffers of every in-loop load feeding a dot.
+# Calibration: the one failure seen on an H100 (K2o, float32, K 256, V 512, block_v_out 128:
+# "requested 262144") models as 288 KiB; the configurations that compiled there (float32 K 128
+# and K 256 / V 64 at chunk 32, bf16 K 128 with three state-pass stages: 200 KiB for KDA's K3)
+# model at <= 200 KiB.
+H100_SHARED_BYTES = 232448
+
+
+def _sub_jaxprs(eqn):
+    for p in eqn.params.values():
+        for x in (p if isinstance(p, (tuple, list)) else [p]):
+            if hasattr(x, "eqns"):
+                yield x
+            elif hasattr(getattr(x, "jaxpr", None), "eqns"):
+                yield x.jaxpr
+
+
+def _nbytes(aval):
+    return int(np.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
+
+
+def _kernel_shared_bytes(kernel_jaxpr, stages):
+    dots, piped = [], {}
+
+    def walk(j, in_loop):
+        src = {}
+        for e in j.eqns:
+            n = e.primitive.name
+            if n == "get" and in_loop:
+                src[e.outvars[0]] = _nbytes(e.outvars[0].aval)
+            elif n == "convert_element_type" and e.invars[0] in src:
+                src[e.outvars[0]] = src[e.invars[0]]
+            if n == "dot_general":
+                dots.append(tuple(e.invars))
+                piped.update({(id(j), v): src[v] for v in e.invars if v in src})
+            for sj in _sub_jaxprs(e):
+                walk(sj, in_loop or n in ("scan", "while"))
+
+    walk(kernel_jaxpr, False)
+    parent = {}
+
+    def find(x):
+        while parent.get(x, x) is not x:
+            x = parent[x]
+        return x
+
+    for ops in dots:
+        for v in ops[1:]:
+            parent[find(v)] = find(ops[0])
+    groups = {}
+    for ops in dots:
+        for v in ops:
+            groups.setdefault(find(ops[0]), {})[v] = _nbytes(v.aval)
+    dot_bytes = max((sum(g.values()) for g in groups.values()), default=0)
+    return dot_bytes + (stages * sum(piped.values()) if stages > 1 else 0)
+
+
+def shared_memory_estimates(gate, K, V, dtype, *, C=64, H=4, block_sizes=None):
+    """{pallas_call name: estimated shared-memory bytes} of one forward + backward call."""
+    B, T = 1, 2 * C
+    q = jnp.ones((B, T, H, K), dtype)
+    v = jnp.ones((B, T, H, V), dtype)
+    beta = jnp.ones((B, T, H), dtype)
+    g = {"none": None, "scalar": beta, "channel": q}[gate]
+    s0 = jnp.zeros((B, H, K, V), jnp.float32)
+
+    def f(q, k, v, beta, g):
+        o, s = chunk_delta_family_gpu(q, k, v, beta, g, initial_state=s0, chunk_size=C,
+                                      output_final_state=True, interpret=False,
+                                      block_sizes=block_sizes)
+        return o.astype(jnp.float32).sum() + s.sum()
+
+    argnums = (0, 1, 2, 3) if g is None else (0, 1, 2, 3, 4)
+    jx = jax.make_jaxpr(jax.grad(f, argnums=argnums))(q, q, v, beta, g)
+    out = {}
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                cp = e.params["compiler_params"]
+                cp = cp.get("triton", cp) if isinstance(cp, dict) else cp
+                stages = getattr(cp, "num_stages", 1) or 1
+                out[e.params["name"]] = _kernel_shared_bytes(e.params["jaxpr"], stages)
+            for sj in _sub_jaxprs(e):
+                walk(sj)
+
+    walk(jx.jaxpr)
+    return out
+
+
+def test_shared_memory_estimate_flags_the_h100_failure():
+    """The model flags the configuration that failed on the H100 (K2o at block_v_out 128)."""
+    est = shared_memory_estimates("none", 256, 512, jnp.float32,
+                                  block_sizes=GpuBlockSizes(block_v_out=128))
+    assert est["delta_output"] > H100_SHARED_BYTES, est
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("H", [4, 32])        # block_v 16 (the gpu test's 4 heads) and 64
+def test_default_blocks_fit_shared_memory(gate, dtype, H):
+    """K = 256, V = 512 (fla's GatedDeltaNet, expand_v 2), chunk 64, default block sizes: every
+    kernel's estimated shared memory fits an H100 block."""
+    bs = GpuBlockSizes().resolve(256, 512, programs=H, gate=None if gate == "none" else gate,
+                                 low=dtype == jnp.bfloat16)
+    assert bs.block_v_out == (128 if dtype == jnp.bfloat16 else 64)
+    assert bs.block_v == (16 if H == 4 else 64)
+    est = shared_memory_estimates(gate, 256, 512, dtype, H=H)
+    assert max(est.values()) <= H100_SHARED_BYTES, est
+
+
+def test_default_block_v_out_unchanged_up_to_v_256():
+    """The tuned defaults for V <= 256 stay (block_v_out = min(V, 128)) in both dtypes."""
+    for K in (64, 128, 256):
+        for V in (64, 128, 256):
+            for low in (True, False):
+                bs = GpuBlockSizes().resolve(K, V, programs=64, gate="scalar", low=low)
+                assert bs.block_v_out == min(V, 128), (K, V, low)
+    assert GpuBlockSizes().resolve(128, 512, programs=64, low=False).block_v_out == 128
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("K", [64, 128, 256])

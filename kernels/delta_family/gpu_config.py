@@ -130,7 +130,12 @@ class GpuBlockSizes:
             num_warps_bwd=_given(self.num_warps_bwd, 4 if gate == "none" else 8),
             num_stages_state=_given(self.num_stages_state, stages),
             fuse_output=False if self.fuse_output is None else self.fuse_output,
-            block_v_out=_given(self.block_v_out, min(V, 128)),
+            # K2o holds a [K, block_v_out] tile of h as a dot operand; float32 dots take it as
+            # three bf16 parts, so at K = 256 a 128-wide tile asked 256 KiB of shared memory
+            # (H100: 227 KiB a block) at V = 512. 64 there (estimate 192 KiB, see
+            # tests/test_kernels_gpu.py::test_default_blocks_fit_shared_memory); V <= 256 as tuned.
+            block_v_out=_given(self.block_v_out,
+                               64 if not low and K >= 256 and V > 256 else min(V, 128)),
             num_warps_out=_given(self.num_warps_out, 8 if big else 4),
             # Wide for the scalar or no gate at K <= 128 when K1 is split or the inputs are
             # float32 (more accurate in float32, faster split); 16-row otherwise.
