@@ -146,6 +146,18 @@ def test_too_many_documents_is_nan_not_wrong():
     assert bool(jnp.all(jnp.isfinite(out[0, :8]))) and bool(jnp.all(jnp.isnan(out[0, 8:])))
 
 
+def test_one_document_per_row_masks_instead_of_moving_rows():
+    """max_documents=1 (every row one document, as in a benchmark or unpacked data) takes a masking
+    path: the logits equal the unpacked model's, and a second document in a row is NaN."""
+    model = build("titans", "tiny", rngs=nnx.Rngs(0), max_documents=1, chunk_size=4)
+    tokens = _tokens(6, (2, 11))
+    whole = model(tokens)
+    packed = model(tokens, jnp.ones((2, 11), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(whole))
+    two = model(tokens, jnp.asarray([[1] * 11, [1] * 6 + [2] * 5], jnp.int32))
+    assert _rel(two[:, :6], whole[:, :6]) <= 1e-6 and bool(jnp.all(jnp.isnan(two[1, 6:])))
+
+
 # ---- sizes and counts ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["gated_deltanet", "titans", "atlas"])
 @pytest.mark.parametrize("size,nominal", [("340m", 340e6), ("760m", 760e6)])

@@ -105,6 +105,8 @@ def to_document_rows(x, doc, pos, max_documents: int):
     """[B, T, ...] -> [B·M, T, ...]: each document moved to the start of its own row (zeros after it),
     so a recurrence run over the rows starts every document from θ_0 — exactly, for any preset."""
     batch, time = doc.shape
+    if max_documents == 1:    # the first document already starts its row: mask, not scatter (no copy)
+        return jnp.where((doc == 0).reshape(doc.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
     rows = jnp.zeros((batch, max_documents, time) + x.shape[2:], x.dtype)
     b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
     rows = rows.at[b, doc, pos].set(x, mode="drop")
@@ -114,6 +116,8 @@ def to_document_rows(x, doc, pos, max_documents: int):
 def from_document_rows(y, doc, pos, max_documents: int):
     """Inverse of ``to_document_rows``; a row with more than M documents becomes NaN (loud, not wrong)."""
     batch, time = doc.shape
+    if max_documents == 1:
+        return jnp.where((doc >= 1).reshape(doc.shape + (1,) * (y.ndim - 2)), jnp.nan, y)
     y = y.reshape((batch, max_documents) + y.shape[1:])
     b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
     out = y[b, jnp.minimum(doc, max_documents - 1), pos]
