@@ -29,10 +29,13 @@ PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}    # SXM dense bf16
 FLA_CONFIG = {"num_heads": 4, "expand_v": 2, "tie_embeddings": False, "vocab_size": 32000, "mlp_hidden": 2816}
 
 
-def run_anchor(path: str) -> dict:
+def run_anchor(path: str, timeout: float) -> dict:
     env = dict(os.environ, PARTS="lm")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the anchor did not finish in {timeout:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("{") and "params_M" in line:
             result = json.loads(line)
@@ -105,12 +108,14 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", default="gated_deltanet,atlas,titans")
     parser.add_argument("--memory-batch", type=int, default=4, help="batch of the atlas / titans rows")
+    parser.add_argument("--anchor-timeout", type=float, default=400)
+    parser.add_argument("--tag", default="", help="suffix of the output files (lm_throughput<tag>.md/.json)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU dry run); skips the anchor")
     args = parser.parse_args(argv)
 
     rows = []
     if args.anchor and not args.tiny:
-        anchor = run_anchor(args.anchor)
+        anchor = run_anchor(args.anchor, args.anchor_timeout)
         anchor.update(model="fla GatedDeltaNetForCausalLM (torch AdamW)")
         log(json.dumps(anchor))
         rows.append(anchor)
@@ -145,9 +150,9 @@ def main(argv=None):
     table = "\n".join(lines)
     log(table)
     out = os.environ.get("OUT")
-    save_json(rows, out, "lm_throughput.json")
+    save_json(rows, out, f"lm_throughput{args.tag}.json")
     if out:
-        with open(os.path.join(out, "lm_throughput.md"), "w") as f:
+        with open(os.path.join(out, f"lm_throughput{args.tag}.md"), "w") as f:
             f.write(table + "\n")
     return rows
 
