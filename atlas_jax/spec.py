@@ -6,10 +6,12 @@
 
 ``impl`` (a field, overridable per call) picks the form, with the words of ``atlas_jax.ops``:
   "recurrent"  the lax.scan recurrence: exact for every point of the space (the ground truth);
-  "chunk"      the chunked form: exact (WY) for the delta / linear-attention family, the papers'
-               chunk-start-gradient scheme for everything else (equal to "recurrent" at chunk 1);
+  "chunk"      the chunked form: exact (WY) for the delta / linear-attention family and for the
+               Omega rule on a linear memory (ℓ2 / dot, GD, decoupled scalar decay, any window:
+               ``ops.omega_linear_chunk`` for ℓ2; swla's dot needs no solve), the papers' chunk-start-gradient scheme for
+               everything else (equal to "recurrent" at chunk 1);
   "pallas"     the Pallas kernels (the delta family today; interpret mode on CPU);
-  "auto"       "pallas" on GPU/TPU where a kernel covers the call, else "chunk".
+  "auto"       "pallas" on GPU/TPU where a kernel covers the call (the delta family), else "chunk".
 
 Layout [B, T, H, D] as in flash-linear-attention. Per-token knobs, all [B, T, H] unless noted:
   beta   β_t step size (default: the optimizer's own); [B, T, H, n] with n inner steps per token;
@@ -42,7 +44,7 @@ import optax
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.features import FeatureMap, Identity
 from atlas_jax.kernels.delta_family.support import check_chunk_size
-from atlas_jax.forms.chunked import chunked_sequence, exact_chunked, is_exact
+from atlas_jax.forms.chunked import chunked_sequence, exact_chunked, is_exact, is_omega_exact, omega_chunked
 from atlas_jax.forms.common import Features, MemoryState, Steps, WindowCache
 from atlas_jax.forms.recurrent import recurrent_sequence
 from atlas_jax.memory import LinearMemory, MemoryArch
@@ -113,6 +115,13 @@ class MemorySpec:
 
     @property
     def chunked_is_exact(self) -> bool:
+        """The chunked form equals the recurrence at any chunk size: the delta family (WY form,
+        also the kernels' family: ``has_kernel``) or the Omega rule on a linear memory."""
+        return is_exact(self) or is_omega_exact(self)
+
+    @property
+    def has_kernel(self) -> bool:
+        """impl="pallas" covers the spec (the exact delta family; the Omega rule is XLA only)."""
         return is_exact(self)
 
     # ---- state ---------------------------------------------------------------------------
@@ -183,7 +192,7 @@ class MemorySpec:
         impl = self.impl if impl is None else impl
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
         _check_impl("MemorySpec call", impl, chunk_size)
-        if impl == "pallas" and not self.chunked_is_exact:
+        if impl == "pallas" and not self.has_kernel:
             raise NotImplementedError(f"MemorySpec: impl='pallas' has no kernel for {self.name!r} "
                                       f"({self.memory.describe()}, {self.objective.describe()}, window {self.window}, "
                                       f"{inner_opt.describe(self.optimizer)}); the kernels cover the exact delta "
@@ -331,6 +340,12 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         raise NotImplementedError("MemorySpec: impl='pallas': the delta-family kernels take a [B, T, H] beta; a "
                                   "channel-wise beta runs with impl='chunk' (the chunk-start form) or 'recurrent'")
     exact_path = impl != "recurrent" and is_exact(spec) and not channel_beta
+    # The Omega rule on a linear memory with the ℓ2 objective (window c, decoupled decay): exact
+    # through ops.omega. With the dot objective (swla) the gradient does not read θ, so the
+    # chunk-start form below is already exact, keeps φ per chunk (dual form) and measured closer to
+    # the recurrence (swla's layer, φ-coefficient gradients at chunk 8: 3e-6 against 1.5e-5).
+    omega_path = (impl in ("chunk", "auto") and is_omega_exact(spec) and isinstance(spec.objective, L2)
+                  and not channel_beta and steps == 1)
     as_given = exact_path and q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating)
     if not as_given:
         q, k, v = map(f32, (q, k, v))
@@ -338,7 +353,7 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     batch, time, heads, _ = q.shape
     n = steps
     features = None
-    if impl == "recurrent" or exact_path:
+    if impl == "recurrent" or exact_path or omega_path:
         fq = spec.feature_map.apply(feature_params, scale * q)
         fk = spec.feature_map.apply(feature_params, k)
     else:   # the chunk-start form applies φ itself: chunk by chunk in the dual form, no [T, d_φ] kept
@@ -381,6 +396,14 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         o, params = exact_chunked(spec, state.params, steps_bsh, chunk_size=chunk_size, impl=impl)
         final = MemoryState(params, state.opt_state, None, None)
         return o[:, emit], final
+
+    if omega_path:
+        o, params = omega_chunked(spec, state.params, state.window, steps_bsh, chunk_size=chunk_size)
+        window = None
+        if spec.window > 1:
+            bhs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), steps_bsh)
+            window = _last_window(state.window, bhs, spec.window)
+        return o, MemoryState(params, state.opt_state, None, window)
 
     # Per-sequence, per-head forms: [B, H, S, ...] and vmap twice.
     bhs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), steps_bsh)

@@ -20,7 +20,9 @@ from helpers import random_inputs, rel, tree_rel
 
 EXACT = ["linear_attention", "retnet", "mamba2", "gla", "polysketch", "deltanet", "gated_deltanet", "kda",
          "rwkv7", "longhorn", "deltaproduct", "ttt_linear"]
-APPROXIMATE = ["titans", "atlas", "atlas_pp", "omeganet", "moneta", "yaad", "memora", "dla", "swla", "ttt_mlp"]
+APPROXIMATE = ["titans", "atlas", "atlas_pp", "omeganet", "moneta", "yaad", "memora", "dla", "ttt_mlp"]
+# Outside the WY family but exact through the chunked Omega rule (atlas_jax.ops.omega_linear_chunk).
+OMEGA = ["swla"]
 
 
 def _knobs(spec, seed, B, T, H, K, V):
@@ -127,6 +129,76 @@ def test_chunk_size_one_equals_recurrent(name):
         assert out_err < 1e-5 and state_err < 1e-5
 
 
+def _omega_specs():
+    """swla (polynomial φ, dot objective, c = 4) and an ℓ2 linear-memory Omega spec (polynomial φ,
+    c = 3, decoupled scalar decay: omeganet's rule on a linear memory)."""
+    from atlas_jax.features import Polynomial
+    l2 = aj.MemorySpec(LinearMemory(), Polynomial(2), obj.L2(), 3, opt.gd(), ret.scalar(decoupled=True),
+                       "omega_linear_l2")
+    return {"swla": presets.get("swla"), "omega_linear_l2": l2}
+
+
+@pytest.mark.parametrize("name", ["swla", "omega_linear_l2"])
+@pytest.mark.parametrize("per_position", [False, True], ids=["gamma_token", "gamma_position"])
+def test_omega_rule_chunked_equals_recurrent_outputs_states_and_gradients(name, per_position):
+    """The Omega rule on a linear memory runs exactly in the chunked form (ℓ2: ops.omega_linear_chunk;
+    dot, swla: the chunk-start form, exact since the dot gradient does not read θ):
+    at chunks 8 and 16, odd T, an initial state with a filled window cache, outputs, the whole final
+    state (S and the window cache) and the gradients w.r.t. q, k, v, beta, g, gamma, S_0 and the
+    feature map's coefficients equal the recurrent form's to 1e-5 relative."""
+    spec = _omega_specs()[name]
+    assert spec.chunked_is_exact and not spec.has_kernel
+    B, T, H, K, V = 2, 37, 2, 6, 5
+    c, d = spec.window, spec.feature_dim(K)
+    ks = jax.random.split(jax.random.PRNGKey(21), 10)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    k = 0.5 * k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    beta = 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    g = -jax.nn.softplus(jax.random.normal(ks[4], (B, T, H)))
+    gamma = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H) + ((c,) if per_position else ())))
+    # A state to continue from: S_0 random, the window cache filled by a short prefix.
+    state0 = spec.init_state(None, batch=B, heads=H, d_k=K, d_v=V,
+                             params={"S": 0.1 * jax.random.normal(ks[6], (B, H, d, V))})
+    pre = lambda x: x[:, :5]
+    _, state0 = spec(pre(q), pre(k), pre(v), beta=pre(beta), g=pre(g), gamma=pre(gamma), initial_state=state0,
+                     output_final_state=True, impl="recurrent")
+    assert float(jnp.min(state0.window.weights)) > 0
+    fp = spec.feature_map.init_params()
+    fp = jax.tree.map(lambda x: x * (1.0 + 0.1 * jnp.arange(x.size).reshape(x.shape)), fp)
+    co = jax.random.normal(ks[7], (B, T, H, V))
+    cs = jax.random.normal(ks[8], (B, H, d, V))
+
+    def loss(q, k, v, beta, g, gamma, s0, fp, impl, chunk):
+        st = state0._replace(params={"S": s0})
+        o, state = spec(q, k, v, beta=beta, g=g, gamma=gamma, initial_state=st, output_final_state=True,
+                        impl=impl, chunk_size=chunk, feature_params=fp, scale=0.8)
+        return jnp.sum(o * co) + jnp.sum(state.params["S"] * cs), (o, state)
+
+    grad_fn = jax.jit(jax.grad(loss, argnums=tuple(range(8)), has_aux=True), static_argnums=(8, 9))
+    args = (q, k, v, beta, g, gamma, state0.params["S"], fp)
+    g_rec, (o_rec, s_rec) = grad_fn(*args, "recurrent", 8)
+    names = ["q", "k", "v", "beta", "g", "gamma", "initial_state", "feature_params"]
+    for chunk in (8, 16):
+        g_chk, (o_chk, s_chk) = grad_fn(*args, "chunk", chunk)
+        assert rel(o_chk, o_rec) < 1e-5, (chunk, rel(o_chk, o_rec))
+        assert jax.tree.structure(s_chk) == jax.tree.structure(s_rec)
+        for path, a, b in zip(jax.tree_util.tree_leaves_with_path(s_chk), jax.tree.leaves(s_chk),
+                              jax.tree.leaves(s_rec)):
+            assert rel(a, b) < 1e-5, (chunk, jax.tree_util.keystr(path[0]), rel(a, b))
+        for label, a, b in zip(names, g_chk, g_rec):
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                assert float(jnp.max(jnp.abs(y))) > 0, label
+                assert rel(x, y) < 1e-5, (chunk, label, rel(x, y))
+    # "auto" takes the same exact XLA form (no kernel covers the Omega rule); "pallas" refuses.
+    o_auto, _ = spec(q, k, v, beta=beta, g=g, gamma=gamma, initial_state=state0, impl="auto", chunk_size=8,
+                     feature_params=fp, scale=0.8)
+    assert rel(o_auto, o_rec) < 1e-5
+    with pytest.raises(NotImplementedError, match="pallas"):
+        spec(q, k, v, beta=beta, g=g, gamma=gamma, impl="pallas", chunk_size=16)
+
+
 def test_least_squares_chunked_is_exact_at_any_chunk_size():
     spec = presets.get("mesanet")
     q, k, v, beta, g = random_inputs(3, B=1, T=29, H=2, K=6, V=5)
@@ -178,7 +250,7 @@ def test_larger_chunks_follow_the_documented_chunk_start_approximation(name):
     assert 0 < errors[3] < errors[7]
 
 
-@pytest.mark.parametrize("name", EXACT + APPROXIMATE + ["mesanet"])
+@pytest.mark.parametrize("name", EXACT + APPROXIMATE + OMEGA + ["mesanet"])
 def test_processing_in_two_pieces_equals_whole(name):
     B, T, H, K, V = 1, 27, 2, 8, 8
     spec = presets.get(name, **({"hidden": 16} if "hidden" in presets.PRESETS[name].__code__.co_varnames else {}))

@@ -192,3 +192,9 @@ def test_rejects_bad_arguments():
         omega_linear_recurrent(q, k, v, window=0)
     with pytest.raises(ValueError, match="initial_window"):
         omega_linear_chunk(q, k, v, window=2, initial_window=(k[:, :, :1], v[:, :, :1], beta[:, :, :1]))
+
+
+def test_exported_from_ops():
+    assert ops.omega_linear_chunk is omega_linear_chunk
+    assert ops.omega_linear_recurrent is omega_linear_recurrent
+    assert {"omega_linear_chunk", "omega_linear_recurrent"} <= set(ops.__all__)

@@ -4,6 +4,13 @@
 and no/scalar/channel decay is the delta-rule (or linear-attention) family, whose chunked WY/UT
 form equals the recurrence to float tolerance: it runs through ``atlas_jax.ops``' chunk algorithm.
 
+**Exact Omega** (``is_omega_exact``): a linear memory with the dot or ℓ2 objective, an Omega
+window c ≥ 1, GD, and decoupled scalar (or no) decay — swla, and omeganet / atlas-style specs on a
+linear memory — is exact at any chunk size: with ℓ2 through the expanded-WY form
+``atlas_jax.ops.omega_linear_chunk`` (each token becomes its c window terms; ``omega_chunked``);
+with the dot objective (swla) the gradient does not read θ, so the chunk-start form below is
+already exact and runs it.
+
 **Chunk-start gradients** (everything else; Titans §3.2, TTT mini-batch GD, ATLAS §3.3, MIRAS):
 inside a chunk of b steps every gradient is taken at the chunk's starting θ₀,
 
@@ -39,7 +46,8 @@ from atlas_jax.memory import LinearMemory
 from atlas_jax.retention import decay_tree
 from atlas_jax.objectives import L2, Dot
 
-__all__ = ["is_exact", "chunked_sequence", "exact_chunked", "runs_dual_form"]
+__all__ = ["is_exact", "is_omega_exact", "chunked_sequence", "exact_chunked", "omega_chunked",
+           "runs_dual_form"]
 
 _PARALLEL_KINDS = ("gd", "momentum", "muon", "implicit_gd")
 
@@ -56,6 +64,42 @@ def is_exact(spec) -> bool:
             and kind in ("gd", "implicit_gd")
             and not retention.has_map
             and forget_then_write)
+
+
+def is_omega_exact(spec) -> bool:
+    """Whether ``spec`` is outside the WY family but runs exactly through the chunked Omega rule
+    (``atlas_jax.ops.omega_linear_chunk``): a linear memory, the ℓ2 or dot objective, any window
+    c ≥ 1, one plain GD step per token, no retention map, and no decay or a scalar decay that is
+    decoupled (ℓ2; the dot objective's gradient does not read the state, so coupled decay is the
+    same there)."""
+    info = inner_opt.info(spec.optimizer)
+    retention = spec.retention
+    decay_ok = retention.decay == "none" or (
+        retention.decay == "scalar" and (retention.decoupled or isinstance(spec.objective, Dot)))
+    return (not is_exact(spec)
+            and isinstance(spec.memory, LinearMemory)
+            and type(spec.objective) in (L2, Dot)
+            and info.kind == "gd" and info.steps == 1
+            and not retention.has_map
+            and decay_ok)
+
+
+def omega_chunked(spec, params, window, steps: Steps, *, chunk_size: int):
+    """Exact chunked Omega rule over [B, S, H, ·] steps (one step per token, φ already applied);
+    ``params`` = {"S": [B, H, d_in, d_out]}, ``window`` the spec's WindowCache ([B, H, c − 1, ·])
+    or None at c = 1. Returns (o [B, S, H, d_out], {"S": final}); the caller updates the cache."""
+    from atlas_jax.ops.omega import omega_linear_chunk
+
+    opt_info = inner_opt.info(spec.optimizer)
+    beta = steps.step_size if steps.step_size is not None else jnp.full(steps.gates.shape, opt_info.step_size)
+    gamma = steps.window_gates if steps.window_gates is not None else steps.gates
+    g = steps.log_decay if spec.retention.decay != "none" else None
+    initial_window = None if window is None else (window.inputs, window.targets, window.weights)
+    o, final = omega_linear_chunk(steps.queries, steps.inputs, steps.targets, beta, g, gamma,
+                                  window=spec.window, objective="l2" if isinstance(spec.objective, L2) else "dot",
+                                  scale=1.0, initial_state=params["S"], output_final_state=True,
+                                  initial_window=initial_window, chunk_size=chunk_size)
+    return o, {"S": final}
 
 
 def exact_chunked(spec, params, steps: Steps, *, chunk_size: int, impl: str = "auto"):

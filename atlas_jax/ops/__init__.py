@@ -1,8 +1,9 @@
 """Public sequence-mixing ops (flash-linear-attention compatible signatures).
 
 `run_delta_family` is the one validated entry of the delta family (what the forms call); the
-five fla-compatible ops are thin wrappers over it. Importing this package imports no Pallas
-kernel: they load at trace time, when a call picks them.
+five fla-compatible ops are thin wrappers over it. `omega_linear_chunk` / `omega_linear_recurrent`:
+the exact Omega rule on a linear memory (sliding window c, decoupled decay; swla), XLA only.
+Importing this package imports no Pallas kernel: they load at trace time, when a call picks them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from atlas_jax.ops.delta_family.api import (
     linear_attention,
     run_delta_family,
 )
+from atlas_jax.ops.omega import omega_linear_chunk, omega_linear_recurrent
 
 __all__ = ["IMPLS", "delta_product", "delta_rule", "gated_delta_rule", "kda",
-           "linear_attention", "run_delta_family"]
+           "linear_attention", "omega_linear_chunk", "omega_linear_recurrent", "run_delta_family"]
