@@ -91,7 +91,7 @@ def build(name: str, size: str = "tiny", *, rngs: nnx.Rngs, **overrides) -> Lang
     spec = _spec(cfg)
     if spec is not None and cfg.kind in ("mag", "mal", "mac", "samba", "memory") and not hasattr(spec, "init_state"):
         raise ValueError(f"model {name!r}: preset {cfg.preset!r} is a closed form and cannot be a hybrid's memory")
-    if cfg.impl == "pallas" and spec is not None and not getattr(spec, "chunked_is_exact", False):
+    if cfg.impl == "pallas" and spec is not None and not getattr(spec, "has_kernel", False):
         raise ValueError(f"model config: impl='pallas' covers the exact delta family only, and preset "
                          f"{cfg.preset!r} is outside it; choose impl in ['auto', 'chunk', 'recurrent']")
     return LanguageModel(cfg, spec, rngs=rngs)

@@ -45,7 +45,8 @@ def delta_family_op(spec):
     from atlas_jax.objectives import L2
     if (isinstance(spec, ClosedForm) or not spec.chunked_is_exact or spec.opt_kind != "gd"
             or type(spec.feature_map) is not Identity or type(spec.objective) is not L2
-            or spec.retention.log_decay is not None):
+            or spec.retention.log_decay is not None or spec.window > 1
+            or (spec.retention.decoupled and spec.retention.decay != "none")):
         return None
     if spec.steps > 1:
         return ops.delta_product
