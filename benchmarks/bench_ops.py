@@ -59,9 +59,19 @@ def bench_ours(ops, shape, names, impls, reps, res):
                     timing.log(f"[ours] {key} {name} ERROR {type(e).__name__}: {str(e)[:1500]}")
 
 
-def bench_fla(shape, names, reps, modes, res, results):
+def time_torch(call, reps):
+    """(triton do_bench median, wall-clock) milliseconds of a torch call, after six warm-up calls."""
     import torch
     import triton.testing as tt
+    for _ in range(6):
+        call()
+    torch.cuda.synchronize()
+    dob = tt.do_bench(call, warmup=40, rep=200, return_mode="median")
+    return dob, timing.wall_ms(call, lambda out=None: torch.cuda.synchronize(), reps)
+
+
+def bench_fla(shape, names, reps, modes, res, results):
+    import torch
     fla = timing.fla_ops()
     if fla is None:
         results["fla_error"] = "fla does not import"
@@ -78,11 +88,7 @@ def bench_fla(shape, names, reps, modes, res, results):
         for mode in modes:
             call = f if mode == "fwd" else (lambda f=f: f().backward(do))
             try:
-                for _ in range(6):
-                    call()
-                torch.cuda.synchronize()
-                dob = tt.do_bench(call, warmup=40, rep=200, return_mode="median")
-                wall = timing.wall_ms(call, lambda out=None: torch.cuda.synchronize(), reps)
+                dob, wall = time_torch(call, reps)
                 res[f"{op}/fla_do_bench/{mode}"], res[f"{op}/fla_wall/{mode}"] = dob, wall
                 res[f"{op}/fla/{mode}"] = min(dob, wall)
                 timing.log(f"[fla]  {key} {op}/fla/{mode:7s} {min(dob, wall):8.3f} ms   "
@@ -241,7 +247,6 @@ def bench_parity(ops, shape, cases, reps, with_fla, res):
         if not with_fla:
             continue
         import torch
-        import triton.testing as tt
         try:
             made = parity_fla(case, B, T, H, D)
         except Exception as e:  # noqa: BLE001
@@ -254,11 +259,7 @@ def bench_parity(ops, shape, cases, reps, with_fla, res):
         for mode in ("fwd", "fwdbwd"):
             call = f if mode == "fwd" else (lambda: f().backward(fdo))
             try:
-                for _ in range(6):
-                    call()
-                torch.cuda.synchronize()
-                dob = tt.do_bench(call, warmup=40, rep=200, return_mode="median")
-                wall = timing.wall_ms(call, lambda out=None: torch.cuda.synchronize(), reps)
+                dob, wall = time_torch(call, reps)
                 res[f"{case}/fla/{mode}"] = min(dob, wall)
                 timing.log(f"[fla]  {key} {case}/fla/{mode:7s} {min(dob, wall):8.3f} ms   "
                            f"(do_bench {dob:.3f}, wall {wall:.3f})")

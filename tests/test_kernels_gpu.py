@@ -662,9 +662,15 @@ def test_triton_lowering_all(gate, K, dtype):
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
 def test_gpu_compiled(gate, dtype, tol):
+    check_compiled_against_scan(12, gate, dtype, tol, K=128, V=128, T_=333, B_=2, H_=2)
+
+
+def check_compiled_against_scan(seed, gate, dtype, tol, **shape):
+    """The compiled GPU kernels (default block sizes, chunk 64, initial state) against the float32
+    scan: outputs, final states and every gradient finite and within `tol`."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    args, w = make(12, gate=gate, K=128, V=128, T_=333, B_=2, H_=2)
+    args, w = make(seed, gate=gate, **shape)
     args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
 
     def run(*a):
@@ -678,10 +684,11 @@ def test_gpu_compiled(gate, dtype, tol):
 
     o1, s1 = run(*args)
     o2, s2 = ref(*args)
-    assert rel(o1, o2) < tol and rel(s1, s2) < tol
+    assert rel(o1, o2) < tol and rel(s1, s2) < tol, (rel(o1, o2), rel(s1, s2))
     argnums, g1 = grads(run, args, w)
     _, g2 = grads(ref, args, w)
     for i, a, b in zip(argnums, g1, g2):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
         assert rel(a, b) < tol, (NAMES[i], rel(a, b))
 
 
@@ -748,28 +755,7 @@ def test_gpu_compiled_layouts_and_gates(gate, case):
 def test_gpu_value_head_dim_512(gate, dtype, tol):
     """fla's GatedDeltaNet head shape: 4 heads, K = 256, V = 512 (expand_v = 2), default block
     sizes, odd T, initial state, against the float32 scan."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    args, w = make(24, gate=gate, K=256, V=512, T_=201, B_=1, H_=4)
-    args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
-
-    def run(*a):
-        return chunk_delta_family_gpu(*a[:5], scale=SCALE, initial_state=a[5],
-                                      output_final_state=True, chunk_size=64, interpret=False)
-
-    def ref(*a):
-        return recurrent_delta_family(*[None if x is None else x.astype(jnp.float32)
-                                        for x in a[:5]], scale=SCALE, initial_state=a[5],
-                                      output_final_state=True)
-
-    o1, s1 = run(*args)
-    o2, s2 = ref(*args)
-    assert rel(o1, o2) < tol and rel(s1, s2) < tol, (rel(o1, o2), rel(s1, s2))
-    argnums, g1 = grads(run, args, w)
-    _, g2 = grads(ref, args, w)
-    for i, a, b in zip(argnums, g1, g2):
-        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
-        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+    check_compiled_against_scan(24, gate, dtype, tol, K=256, V=512, T_=201, B_=1, H_=4)
 
 
 @pytest.mark.parametrize("gate", GATES)

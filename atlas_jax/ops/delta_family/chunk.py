@@ -21,23 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.linalg import solve_unit_lower
-
-# f32 dots must stay f32 on GPU/TPU too, or the form stops being exact.
-_HI = jax.lax.Precision.HIGHEST
-
-
-def _to_chunks(x, n, c):
-    """[B, T, H, ...] (T = n*c) -> [N, B, H, C, ...] so the chunk axis can be scanned."""
-    b, _, h = x.shape[:3]
-    x = x.reshape((b, n, c, h) + x.shape[3:])
-    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
-
-def _from_chunks(x):
-    """[N, B, H, C, ...] -> [B, N*C, H, ...]."""
-    n, b, h, c = x.shape[:4]
-    x = jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1)
-    return x.reshape((b, n * c, h) + x.shape[4:])
+from atlas_jax.ops.chunking import HIGHEST as _HI
+from atlas_jax.ops.chunking import from_chunks as _from_chunks
+from atlas_jax.ops.chunking import masked_exp as _masked_exp
+from atlas_jax.ops.chunking import to_chunks as _to_chunks
 
 
 def _segment_sums(g, strict, axis):
@@ -62,16 +49,6 @@ def _suffix_sums(g, axis):
     rev = jnp.moveaxis(rev, axis, -1)
     out = jnp.concatenate([rev[..., 1:], jnp.zeros_like(rev[..., :1])], axis=-1)
     return jnp.moveaxis(out, -1, axis)
-
-
-def _masked_exp(diff, mask):
-    """exp(diff) where mask, 0 elsewhere, without ever evaluating exp off the mask.
-
-    Off the mask the exponent has no meaning (as G_i - G_j with j > i it would be +hundreds for
-    strong gates); zeroing it before exp keeps the forward and the gradient (exp' = exp) finite
-    whatever the caller feeds in.
-    """
-    return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("delta", "output_final_state", "chunk_size"))

@@ -47,24 +47,11 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.linalg import solve_unit_lower
-from atlas_jax.ops.omega.naive import check_args, window_triple
-
-# f32 dots must stay f32 on GPU/TPU too, or the form stops being exact.
-_HI = jax.lax.Precision.HIGHEST
-
-
-def _to_chunks(x, n, size):
-    """[B, T, H, ...] (T = n·size) -> [N, B, H, size, ...] so the chunk axis can be scanned."""
-    b, _, h = x.shape[:3]
-    x = x.reshape((b, n, size, h) + x.shape[3:])
-    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
-
-def _from_chunks(x):
-    """[N, B, H, C, ...] -> [B, N·C, H, ...]."""
-    n, b, h, size = x.shape[:4]
-    x = jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1)
-    return x.reshape((b, n * size, h) + x.shape[4:])
+from atlas_jax.ops.chunking import HIGHEST as _HI
+from atlas_jax.ops.chunking import from_chunks as _from_chunks
+from atlas_jax.ops.chunking import masked_exp as _masked_exp
+from atlas_jax.ops.chunking import to_chunks as _to_chunks
+from atlas_jax.ops.omega.naive import check_args, float32_inputs, window_triple
 
 
 def _windows(x, c, before):
@@ -73,11 +60,6 @@ def _windows(x, c, before):
     t = x.shape[1]
     xp = jnp.concatenate([jnp.moveaxis(before, 2, 1).astype(x.dtype), x], axis=1)
     return jnp.stack([xp[:, j:j + t] for j in range(c)], axis=3)
-
-
-def _masked_exp(x, mask):
-    """exp(x) where mask, 0 elsewhere; exp is never evaluated off the mask (finite gradients)."""
-    return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
 def _gate_sums(gc):
@@ -124,21 +106,13 @@ def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, obje
     pad = N * C - T
     M = C * c
     f32 = jnp.float32
-    scale = K ** -0.5 if scale is None else scale
-
-    qs = q.astype(f32) * jnp.asarray(scale, f32)
-    kf, vf = k.astype(f32), v.astype(f32)
-    bf = jnp.ones((B, T, H), f32) if beta is None else beta.astype(f32)
-    gf = jnp.zeros((B, T, H), f32) if g is None else g.astype(f32)
-    gam = jnp.ones((B, T, H), f32) if gamma is None else gamma.astype(f32)
+    qs, kf, vf, bf, gf, gam, initial_window = float32_inputs(q, k, v, beta, g, gamma, initial_window,
+                                                            window=c, scale=scale)
 
     # Window terms and weights per token, oldest position first: w_{t,j} = own_{t−c+1+j} · γ^{(t)}_j
     # with own = γ per token (1 with per-position γ, whose own weights are all 1); the c − 1
     # tokens before the first come from initial_window (empty slots: zeros, own weight 0).
-    if initial_window is None:
-        initial_window = (jnp.zeros((B, H, c - 1, K), f32), jnp.zeros((B, H, c - 1, V), f32),
-                          jnp.zeros((B, H, c - 1), f32))
-    k_prev, v_prev, w_prev = (x.astype(f32) for x in initial_window)
+    k_prev, v_prev, w_prev = initial_window
     kw, vw = _windows(kf, c, k_prev), _windows(vf, c, v_prev)   # [B, T, H, c, K|V]
     if gam.ndim == 4:
         w = _windows(jnp.ones((B, T, H), f32), c, w_prev) * gam

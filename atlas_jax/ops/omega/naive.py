@@ -72,6 +72,24 @@ def check_args(q, k, v, beta, g, gamma, window, objective, initial_window=None):
                              f"(the c - 1 tokens before the first, oldest first), got {got}")
 
 
+def float32_inputs(q, k, v, beta, g, gamma, initial_window, *, window, scale):
+    """Both forms' inputs in float32 with their defaults: (scale·q, k, v, β (1), g (0), γ (1), the
+    window cache (previous c − 1 keys, values and own weights; zeros = empty slots))."""
+    B, T, H, K = q.shape
+    V, c, f32 = v.shape[-1], window, jnp.float32
+    scale = K ** -0.5 if scale is None else scale
+    qf = q.astype(f32) * jnp.asarray(scale, f32)
+    beta = jnp.ones((B, T, H), f32) if beta is None else beta.astype(f32)
+    g = jnp.zeros((B, T, H), f32) if g is None else g.astype(f32)
+    gamma = jnp.ones((B, T, H), f32) if gamma is None else gamma.astype(f32)
+    if initial_window is None:
+        cache = (jnp.zeros((B, H, c - 1, K), f32), jnp.zeros((B, H, c - 1, V), f32),
+                 jnp.zeros((B, H, c - 1), f32))
+    else:
+        cache = tuple(x.astype(f32) for x in initial_window)
+    return qf, k.astype(f32), v.astype(f32), beta, g, gamma, cache
+
+
 @functools.partial(jax.jit, static_argnames=("window", "objective", "output_final_state"))
 def omega_linear_recurrent(q, k, v, beta=None, g=None, gamma=None, *, window=1, objective="l2",
                            scale=None, initial_state=None, output_final_state=False,
@@ -105,26 +123,14 @@ def omega_linear_recurrent(q, k, v, beta=None, g=None, gamma=None, *, window=1, 
     V = v.shape[-1]
     c = window
     f32 = jnp.float32
-    scale = K ** -0.5 if scale is None else scale
-    qf = q.astype(f32) * jnp.asarray(scale, f32)
-    kf, vf = k.astype(f32), v.astype(f32)
-    beta = jnp.ones((B, T, H), f32) if beta is None else beta.astype(f32)
-    g = jnp.zeros((B, T, H), f32) if g is None else g.astype(f32)
-    if gamma is None:
-        gamma = jnp.ones((B, T, H), f32)
-    gamma = gamma.astype(f32)
+    qf, kf, vf, beta, g, gamma, cache = float32_inputs(q, k, v, beta, g, gamma, initial_window,
+                                                       window=c, scale=scale)
     if gamma.ndim == 4:      # per position: every real token's own weight is 1
         own, pos = jnp.ones((B, T, H), f32), gamma
     else:                    # per token: token i weighs γ_i wherever it sits in a window
         own, pos = gamma, jnp.ones((B, T, H, c), f32)
     s0 = (jnp.zeros((B, H, K, V), f32) if initial_state is None
           else initial_state.astype(f32))
-    # The window cache: the previous c − 1 keys, values and own weights (0 = empty slot).
-    if initial_window is None:
-        cache = (jnp.zeros((B, H, c - 1, K), f32), jnp.zeros((B, H, c - 1, V), f32),
-                 jnp.zeros((B, H, c - 1), f32))
-    else:
-        cache = tuple(x.astype(f32) for x in initial_window)
 
     def step(carry, xs):
         s, (ck, cv, cw) = carry
