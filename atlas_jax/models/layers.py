@@ -17,7 +17,6 @@ with a SiLU output gate, and a learnable θ_0 for deep memories. The recurrence 
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import jax
@@ -26,15 +25,13 @@ from flax import nnx
 
 from atlas_jax.memory import LinearMemory
 from atlas_jax.presets import ClosedForm
-from atlas_jax.spec import MemorySpec, MemoryState
+from atlas_jax.spec import MemoryState
 
 __all__ = ["DTYPES", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory",
            "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# The lead is moving MemorySpec from form="recurrent"|"chunked" to impl=...; follow whichever it has.
-_CORE_TAKES_IMPL = "impl" in inspect.signature(MemorySpec.__call__).parameters
 
 
 def delta_family_op(spec):
@@ -73,11 +70,7 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
             batch, _, heads, d_k = q.shape
             final = spec.init_state(None, batch=batch, heads=heads, d_k=d_k, d_v=v.shape[-1], params={"S": final})
         return o, final
-    if _CORE_TAKES_IMPL:
-        mode = {"impl": impl}
-    else:
-        mode = {"form": "recurrent" if impl == "recurrent" else "chunked"}
-    return spec(q, k, v, **knobs, **mode, chunk_size=chunk_size, initial_state=initial_state,
+    return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
                 output_final_state=output_final_state, feature_params=feature_params, scale=scale)
 
 
