@@ -42,6 +42,7 @@ With c = 1 this is the gated delta rule with decoupled decay; with g = 0 it is t
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,27 +82,37 @@ def _gate_sums(gc):
     return G, E, R, incl, excl
 
 
-@functools.partial(jax.jit, static_argnames=("window", "objective", "output_final_state", "chunk_size"))
-def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, objective="l2",
-                       scale=None, initial_state=None, output_final_state=False, initial_window=None,
-                       chunk_size=16):
-    """Chunkwise-parallel Omega rule; equals `omega_linear_recurrent` to float32 rounding.
+class ChunkOperands(NamedTuple):
+    """What the sequential pass over chunks reads, per chunk (float32, layout [N, B, H, ...]):
 
-    Args: as `omega_linear_recurrent`, plus
-      chunk_size: tokens per chunk (each expands into `window` pseudo-tokens, so the per-chunk
-        system is chunk_size·window square); any T is accepted (the tail is padded internally).
-
-    Returns:
-      (o [B, T, H, V] in v.dtype, final state [B, H, K, V] float32 or None).
+      x0 [.., M, V], w [.., M, K] (None for the dot objective): X = X0 − W S_0;
+      kd [.., M, K] = e^{G_C − G_s(m)} κ_m;  qg [.., C, K] = e^{G_t} scale q_t;
+      p [.., C, M] = e^{Σ_{s(m)<l≤t} g} q_t·κ_m on s(m) ≤ t (0 elsewhere);  last [..] = e^{G_C}.
     """
-    initial_window = window_triple(initial_window)
-    check_args(q, k, v, beta, g, gamma, window, objective, initial_window)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    c = window
+    x0: jax.Array
+    w: jax.Array | None
+    kd: jax.Array
+    qg: jax.Array
+    p: jax.Array
+    last: jax.Array
+
+
+def check_chunk_size(chunk_size) -> int:
     C = int(chunk_size)
     if C < 1:
         raise ValueError(f"omega: chunk_size must be >= 1, got {chunk_size!r}")
+    return C
+
+
+def chunk_operands(q, k, v, beta, g, gamma, *, window, objective, scale, initial_window,
+                   chunk_size) -> ChunkOperands:
+    """The chunk-parallel part of the chunked form (gate sums, windows, the per-chunk unit-lower
+    solve), for checked arguments (`check_args`; ``initial_window`` a triple or None). T is
+    padded to N·C tokens that leave the state unchanged (β·w = g = q = 0)."""
+    B, T, H = q.shape[:3]
+    V = v.shape[-1]
+    c = window
+    C = chunk_size
     N = -(-T // C)
     pad = N * C - T
     M = C * c
@@ -144,7 +155,7 @@ def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, obje
     p = _masked_exp(rep(incl, -1), on_incl) * jnp.einsum('NBHTK,NBHMK->NBHTM', qc, kap, precision=_HI)
     qg = jnp.exp(G)[..., None] * qc
     kd = rep(jnp.exp(R), -1)[..., None] * kap                    # e^{G_C − G_s(m)} κ_m
-    last = jnp.exp(G[..., -1])[..., None, None]                  # [N, B, H, 1, 1]
+    last = jnp.exp(G[..., -1])                                   # [N, B, H]
 
     bv = bwm[..., None] * nu
     if objective == "l2":
@@ -156,19 +167,50 @@ def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, obje
         x0, wy = sol[..., :V], sol[..., V:]                      # X = X0 − W S_0
     else:
         x0, wy = bv, None
+    return ChunkOperands(x0=x0, w=wy, kd=kd, qg=qg, p=p, last=last)
 
-    s0 = (jnp.zeros((B, H, K, V), f32) if initial_state is None
-          else initial_state.astype(f32))
 
+def state_pass(ops: ChunkOperands, s0):
+    """The sequential part in plain XLA: a scan over chunks from S_0 [B, H, K, V] (float32),
+
+        X = X0 − W S,   S_next = e^{G_C} S + kdᵀ X,   then   o = qg S_start + P X,
+
+    the read-out for all chunks at once. Returns (o [N, B, H, C, V], final state [B, H, K, V]).
+    The Pallas kernels (atlas_jax.kernels.omega) run the same pass with the read-out fused."""
     def step(s, xs):
         x0_n, w_n, kd_n, last_n = xs
         x = x0_n if w_n is None else x0_n - jnp.einsum('BHMK,BHKV->BHMV', w_n, s, precision=_HI)
-        s_next = last_n * s + jnp.einsum('BHMK,BHMV->BHKV', kd_n, x, precision=_HI)
+        s_next = last_n[..., None, None] * s + jnp.einsum('BHMK,BHMV->BHKV', kd_n, x, precision=_HI)
         return s_next, (s, x)
 
-    s_final, (starts, xs_) = jax.lax.scan(step, s0, (x0, wy, kd, last))
+    s_final, (starts, xs_) = jax.lax.scan(step, s0, (ops.x0, ops.w, ops.kd, ops.last))
+    o = (jnp.einsum('NBHTK,NBHKV->NBHTV', ops.qg, starts, precision=_HI)
+         + jnp.einsum('NBHTM,NBHMV->NBHTV', ops.p, xs_, precision=_HI))
+    return o, s_final
 
-    o = (jnp.einsum('NBHTK,NBHKV->NBHTV', qg, starts, precision=_HI)
-         + jnp.einsum('NBHTM,NBHMV->NBHTV', p, xs_, precision=_HI))
+
+@functools.partial(jax.jit, static_argnames=("window", "objective", "output_final_state", "chunk_size"))
+def omega_linear_chunk(q, k, v, beta=None, g=None, gamma=None, *, window=1, objective="l2",
+                       scale=None, initial_state=None, output_final_state=False, initial_window=None,
+                       chunk_size=16):
+    """Chunkwise-parallel Omega rule; equals `omega_linear_recurrent` to float32 rounding.
+
+    Args: as `omega_linear_recurrent`, plus
+      chunk_size: tokens per chunk (each expands into `window` pseudo-tokens, so the per-chunk
+        system is chunk_size·window square); any T is accepted (the tail is padded internally).
+
+    Returns:
+      (o [B, T, H, V] in v.dtype, final state [B, H, K, V] float32 or None).
+    """
+    initial_window = window_triple(initial_window)
+    check_args(q, k, v, beta, g, gamma, window, objective, initial_window)
+    C = check_chunk_size(chunk_size)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    ops = chunk_operands(q, k, v, beta, g, gamma, window=window, objective=objective, scale=scale,
+                         initial_window=initial_window, chunk_size=C)
+    s0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    o, s_final = state_pass(ops, s0)
     o = _from_chunks(o)[:, :T].astype(v.dtype)
     return o, (s_final if output_final_state else None)
