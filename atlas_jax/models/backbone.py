@@ -11,7 +11,8 @@ A block is a fixed sequence of residual sub-layers, x ← x + sublayer(RMSNorm(x
   samba                  [memory, MLP, SWA, MLP]    (num_layers counts mixers: num_layers / 2 blocks)
 
 The residual stream is float32; sub-layers compute in ``dtype`` (bf16 for training) with float32
-parameters. ``remat`` rematerialises each block in the backward pass: none | full | dots.
+parameters. ``remat`` rematerialises each block in the backward pass: none | full | dots |
+dots_and_kernels.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from flax import nnx
 
 from atlas_jax.models.config import ModelConfig
 from atlas_jax.models.hybrids import MAC, MAG
-from atlas_jax.models.layers import DTYPES, Attention, MemoryLayer, SwiGLU, document_positions
+from atlas_jax.kernels.delta_family.support import RESIDUALS_NAME
+from atlas_jax.models.layers import DTYPES, MEMORY_OUTPUT, Attention, MemoryLayer, SwiGLU, document_positions
 
 __all__ = ["Block", "LanguageModel", "LAYOUTS"]
 
@@ -36,7 +38,12 @@ LAYOUTS = {
 }
 
 _REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
-          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+          # The backward reruns only elementwise work (norms, short conv, gates, activations): the
+          # matmul outputs, the memory layer's output and the memory kernels' residuals are kept.
+          "dots_and_kernels": jax.checkpoint_policies.save_from_both_policies(
+              jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+              jax.checkpoint_policies.save_only_these_names(MEMORY_OUTPUT, RESIDUALS_NAME))}
 
 
 def _num_blocks(cfg: ModelConfig) -> int:

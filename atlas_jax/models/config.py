@@ -30,7 +30,7 @@ __all__ = ["ModelConfig", "KINDS", "IMPLS", "REMAT_POLICIES", "SIZES", "size_val
 
 KINDS = ("memory", "attention", "closed_form", "mag", "mal", "mac", "samba")
 IMPLS = ("auto", "pallas", "chunk", "recurrent")
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "dots_and_kernels")
 DTYPES = ("float32", "bfloat16")
 MEMORY_INITS = ("per_head", "shared", "fixed")
 SIZES = ("tiny", "170m", "340m", "760m", "1.3b")
@@ -88,7 +88,7 @@ class ModelConfig:
     # numerics and compilation
     dtype: str = "float32"               # compute dtype (bfloat16 for training on accelerators)
     param_dtype: str = "float32"
-    remat: str = "none"                  # none | full | dots
+    remat: str = "none"                  # none | full | dots | dots_and_kernels
     norm_eps: float = 1e-6
 
     def __post_init__(self):

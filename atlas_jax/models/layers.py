@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax.memory import LinearMemory
 from atlas_jax.presets import ClosedForm
@@ -31,6 +32,8 @@ __all__ = ["DTYPES", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_r
            "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# checkpoint_name of the memory layer's recurrence output (remat "dots_and_kernels" keeps it).
+MEMORY_OUTPUT = "memory_output"
 
 
 
@@ -413,6 +416,7 @@ class MemoryLayer(nnx.Module):
                           feature_params=feature_params, scale=self.scale)
 
     def _out(self, o, x):
+        o = checkpoint_name(o, MEMORY_OUTPUT)
         o = self.out_norm(o.astype(jnp.float32)) * jax.nn.silu(self.out_gate(x).astype(jnp.float32)).reshape(o.shape)
         return self.o_proj(o.reshape(o.shape[:2] + (-1,)).astype(self.dtype))
 

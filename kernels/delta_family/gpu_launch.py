@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from atlas_jax.kernels.delta_family import gpu_bwd, gpu_fwd
+from atlas_jax.kernels.delta_family import gpu_bwd, gpu_fwd, support
 from atlas_jax.kernels.delta_family import gpu_math as gm
 from atlas_jax.kernels.delta_family.gpu_config import GpuBlockSizes
 
@@ -535,6 +535,9 @@ def core(st, q, k, v, beta, g, s0, offs):
 
 def _core_fwd(st, q, k, v, beta, g, s0, offs):
     o, sT, res = _forward(st, q, k, v, beta, g, s0, offs, save=True)
+    # Named so that a remat policy can keep them (support.RESIDUALS_NAME) instead of rerunning
+    # the forward kernels in the backward.
+    res = support.name_residuals(res)
     return (o, sT), (q, k, v, beta, g, s0, offs, res)
 
 

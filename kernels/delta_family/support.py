@@ -11,6 +11,8 @@ Each knob has exactly one owner here:
   INTERPRET_HEAD_DIMS  further head dims (K and V) taken in Pallas interpret mode (CPU tests)
   L2NORM_EPS           in-kernel L2 normalisation of q and k: x / sqrt(sum x^2 + eps), as fla
   KERNEL_DTYPES        dtypes of q, k, v the kernels take (float32 accumulation either way)
+  RESIDUALS_NAME       the `checkpoint_name` of what the kernels' forward saves for the backward
+                       (a remat policy that keeps it skips rerunning the forward kernels)
 
 `check_delta_call` is the one checker of shapes, dtypes and `cu_seqlens` for the public ops
 (`atlas_jax.ops`) and the kernel entries (`chunk_delta_family_gpu`, `chunk_delta_family_tpu`);
@@ -27,6 +29,15 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+RESIDUALS_NAME = "memory_kernel_residuals"
+
+
+def name_residuals(tree):
+    """Tag every array of the kernels' saved residuals with RESIDUALS_NAME (identity otherwise)."""
+    return jax.tree.map(lambda x: checkpoint_name(x, RESIDUALS_NAME), tree)
+
 
 CHUNK_SIZES = (16, 32, 64)
 GPU_HEAD_DIMS = (64, 128, 256)
