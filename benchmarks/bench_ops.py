@@ -32,13 +32,14 @@ import time
 import timing
 
 
-def bench_ours(ops, shape, names, impls, reps, res):
+def bench_ours(ops, shape, names, impls, reps, res, value_dim=None):
     import jax
     import jax.numpy as jnp
     B, T, H, D = shape
     key = "x".join(map(str, shape))
     for op in names:
-        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
+        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, value_dim or D, timing.GATE_OF[op],
+                                                  jnp.bfloat16)
         for impl in impls:
             if impl == "chunk" and op == "kda" and T * B > 8192:
                 continue   # the XLA KDA form materialises [C, C, K] decays: 60+ ms, not informative
@@ -70,7 +71,7 @@ def time_torch(call, reps):
     return dob, timing.wall_ms(call, lambda out=None: torch.cuda.synchronize(), reps)
 
 
-def bench_fla(shape, names, reps, modes, res, results):
+def bench_fla(shape, names, reps, modes, res, results, value_dim=None):
     import torch
     fla = timing.fla_ops()
     if fla is None:
@@ -82,7 +83,7 @@ def bench_fla(shape, names, reps, modes, res, results):
                                fla=fla_pkg.__version__)
     B, T, H, D = shape
     key = "x".join(map(str, shape))
-    q, k, v, g, gk, beta, do = timing.fla_inputs(B, T, H, D)
+    q, k, v, g, gk, beta, do = timing.fla_inputs(B, T, H, D, V=value_dim)
     for op in names:
         f = lambda fn=fla[op]: fn(q, k, v, g, gk, beta)   # noqa: E731
         for mode in modes:
@@ -321,6 +322,8 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["pallas"], choices=["pallas", "chunk"],
                     help="ours: the kernels and/or the XLA chunk form")
     ap.add_argument("--fla", action="store_true", help="also time fla in this process")
+    ap.add_argument("--value-dim", type=int, default=None,
+                    help="V per head (default D; fla's GatedDeltaNet LM: K 256, V 512)")
     ap.add_argument("--fla-modes", nargs="+", default=["fwd", "fwdbwd"],
                     choices=["fwd", "fwdbwd"],
                     help="fwd alone skips fla's fwd+bwd, whose first call autotunes for minutes")
@@ -348,9 +351,9 @@ def main():
                          results["bench_ms"].setdefault(key, {}))
         else:
             res = results["bench_ms"].setdefault(key, {})
-            bench_ours(ops, shape, args.ops, args.impls, args.reps, res)
+            bench_ours(ops, shape, args.ops, args.impls, args.reps, res, args.value_dim)
             if args.fla:
-                bench_fla(shape, args.ops, args.reps, args.fla_modes, res, results)
+                bench_fla(shape, args.ops, args.reps, args.fla_modes, res, results, args.value_dim)
         timing.save_json(results, args.out, "bench_ops.json")
     if args.parity:
         parity_table(results)

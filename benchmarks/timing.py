@@ -162,15 +162,16 @@ def fla_ops():
             "kda": lambda q, k, v, g, gk, beta: chunk_kda(q, k, v, gk, beta)[0]}
 
 
-def fla_inputs(B, T, H, D, device="cuda"):
-    """The same recipe in torch: (q, k, v, g [B,T,H], gk [B,T,H,D], beta, do)."""
+def fla_inputs(B, T, H, D, device="cuda", V=None):
+    """The same recipe in torch: (q, k, v, g [B,T,H], gk [B,T,H,D], beta, do); V defaults to D."""
     import torch
     bf = torch.bfloat16
     normal = lambda *s: torch.randn(*s, device=device, dtype=bf)   # noqa: E731
     unit = lambda: torch.nn.functional.normalize(normal(B, T, H, D).float(), dim=-1).to(bf)  # noqa: E731
     q, k = unit().requires_grad_(), unit().requires_grad_()
-    v = normal(B, T, H, D).requires_grad_()
+    V = V or D
+    v = normal(B, T, H, V).requires_grad_()
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=device)).requires_grad_()
     gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=device)).requires_grad_()
     beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(bf).requires_grad_()
-    return q, k, v, g, gk, beta, normal(B, T, H, D)
+    return q, k, v, g, gk, beta, normal(B, T, H, V)

@@ -61,6 +61,11 @@ VARIANTS = {
     "nosplit_bwd": dict(split_state_bwd=False),
     "bwd_w4": dict(num_warps_bwd=4),
     "bwd_w8": dict(num_warps_bwd=8),
+    "bwd_w16": dict(num_warps_bwd=16),
+    "bwd_bv16": dict(block_v_bwd=16),
+    "bwd_bv64": dict(block_v_bwd=64),
+    "bwd_s2": dict(num_stages_bwd=2),
+    "bwd_bv16_w4": dict(block_v_bwd=16, num_warps_bwd=4),
     # storage between kernels
     "f32_states": dict(state_dtype="float32"),
     "f32_inter": dict(inter_dtype="float32"),
@@ -85,11 +90,11 @@ def kernel_fn(gpu, block_sizes, scale):
     return fwd
 
 
-def whole_op(gpu, shape, op, variants, modes, rounds, reps, res):
+def whole_op(gpu, shape, op, variants, modes, rounds, reps, res, value_dim=None):
     import jax
     import jax.numpy as jnp
     B, T, H, D = shape
-    q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
+    q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, value_dim or D, timing.GATE_OF[op], jnp.bfloat16)
     runs = []
     for name, kw in variants.items():
         fwd = kernel_fn(gpu, gpu.GpuBlockSizes(**kw), 1.0 / math.sqrt(D))
@@ -115,7 +120,7 @@ def whole_op(gpu, shape, op, variants, modes, rounds, reps, res):
             timing.log(f"[tune] {label:34s} best {min(times):8.3f} ms")
 
 
-def per_kernel(gpu, launch, shape, op, variants, only, reps, res):
+def per_kernel(gpu, launch, shape, op, variants, only, reps, res, value_dim=None):
     """Each Pallas call of one fwd+bwd, recorded while tracing, then timed alone on fresh inputs
     (small negative floats, so that gates decay; no kernel has data-dependent control flow)."""
     import jax
@@ -131,7 +136,8 @@ def per_kernel(gpu, launch, shape, op, variants, only, reps, res):
                                           for n, a, s in ins], outs, kwargs))
             return real(body, grid, ins, outs, **kwargs)
 
-        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
+        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, value_dim or D, timing.GATE_OF[op],
+                                                  jnp.bfloat16)
         fwd = kernel_fn(gpu, gpu.GpuBlockSizes(**kw), 1.0 / math.sqrt(D))
         launch._call = record
         try:
@@ -164,6 +170,7 @@ def per_kernel(gpu, launch, shape, op, variants, only, reps, res):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", type=timing.shape_arg, default=(4, 4096, 16, 128), help="B,T,H,D")
+    ap.add_argument("--value-dim", type=int, default=None, help="V per head (default D; fla's LM: 2D)")
     ap.add_argument("--ops", nargs="+", default=["gdn"], choices=sorted(timing.GATE_OF))
     ap.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     ap.add_argument("--set", nargs="+", metavar="FIELD=VALUE",
@@ -183,14 +190,15 @@ def main():
     if args.set:
         variants["custom"] = _parse_set(args.set)
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shape": args.shape,
+               "value_dim": args.value_dim or args.shape[3],
                "variants": variants, "whole_op_ms": {}, "kernels_ms": {}}
     for op in args.ops:
         if args.per_kernel:
             per_kernel(gpu, gpu_launch, args.shape, op, variants, args.only, args.reps,
-                       results["kernels_ms"].setdefault(op, {}))
+                       results["kernels_ms"].setdefault(op, {}), args.value_dim)
         else:
             whole_op(gpu, args.shape, op, variants, args.modes, args.rounds, args.reps,
-                     results["whole_op_ms"].setdefault(op, {}))
+                     results["whole_op_ms"].setdefault(op, {}), args.value_dim)
         timing.save_json(results, args.out, "tune.json")
 
 
