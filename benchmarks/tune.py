@@ -66,6 +66,8 @@ VARIANTS = {
     "bwd_bv64": dict(block_v_bwd=64),
     "bwd_s2": dict(num_stages_bwd=2),
     "bwd_bv16_w4": dict(block_v_bwd=16, num_warps_bwd=4),
+    "bwd_bv32": dict(block_v_bwd=32),
+    "bwd_bv128": dict(block_v_bwd=128),
     # storage between kernels
     "f32_states": dict(state_dtype="float32"),
     "f32_inter": dict(inter_dtype="float32"),
