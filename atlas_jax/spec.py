@@ -10,8 +10,10 @@
                Omega rule on a linear memory (ℓ2 / dot, GD, decoupled scalar decay, any window:
                ``ops.omega_linear_chunk`` for ℓ2; swla's dot needs no solve), the papers' chunk-start-gradient scheme for
                everything else (equal to "recurrent" at chunk 1);
-  "pallas"     the Pallas kernels (the delta family today; interpret mode on CPU);
-  "auto"       "pallas" on GPU/TPU where a kernel covers the call (the delta family), else "chunk".
+  "pallas"     the Pallas kernels (interpret mode on CPU): the delta family's, and the exact Omega rule's
+               on a linear memory (ℓ2 and swla's dot, through ``ops.omega_linear``); ``has_kernel``;
+  "auto"       "pallas" on GPU/TPU where a kernel covers the call (the delta family; the Omega rule up to
+               d_φ = ``forms.chunked.OMEGA_AUTO_MAX_DIM``), else "chunk".
 
 Layout [B, T, H, D] as in flash-linear-attention. Per-token knobs, all [B, T, H] unless noted:
   beta   β_t step size (default: the optimizer's own); [B, T, H, n] with n inner steps per token;
@@ -44,7 +46,8 @@ import optax
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.features import FeatureMap, Identity
 from atlas_jax.kernels.delta_family.support import check_chunk_size
-from atlas_jax.forms.chunked import chunked_sequence, exact_chunked, is_exact, is_omega_exact, omega_chunked
+from atlas_jax.forms.chunked import (chunked_sequence, exact_chunked, is_exact, is_omega_exact, omega_chunked,
+                                    omega_impl)
 from atlas_jax.forms.common import Features, MemoryState, Steps, WindowCache
 from atlas_jax.forms.recurrent import recurrent_sequence
 from atlas_jax.memory import LinearMemory, MemoryArch
@@ -121,8 +124,9 @@ class MemorySpec:
 
     @property
     def has_kernel(self) -> bool:
-        """impl="pallas" covers the spec (the exact delta family; the Omega rule is XLA only)."""
-        return is_exact(self)
+        """impl="pallas" covers the spec: the exact delta family, and the exact Omega rule on a
+        linear memory (``is_omega_exact``: the Omega kernels through ``ops.omega_linear``)."""
+        return is_exact(self) or is_omega_exact(self)
 
     # ---- state ---------------------------------------------------------------------------
     def init_state(self, key, *, batch: int, heads: int, d_k: int, d_v: int, params=None) -> MemoryState:
@@ -196,7 +200,7 @@ class MemorySpec:
             raise NotImplementedError(f"MemorySpec: impl='pallas' has no kernel for {self.name!r} "
                                       f"({self.memory.describe()}, {self.objective.describe()}, window {self.window}, "
                                       f"{inner_opt.describe(self.optimizer)}); the kernels cover the exact delta "
-                                      "family. Use impl='chunk' or 'auto'")
+                                      "family and the Omega rule on a linear memory. Use impl='chunk' or 'auto'")
         shapes = _check_inputs(self, q, k, v, beta, g, nu, gamma, delta)
         batch, _, heads, d_k, d_v, n = shapes
         state = self._coerce_state(initial_state, batch, heads, d_k, d_v)
@@ -337,15 +341,16 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     # the chunk-start form runs it.
     channel_beta = beta is not None and beta.ndim == 4 and steps == 1
     if impl == "pallas" and channel_beta:
-        raise NotImplementedError("MemorySpec: impl='pallas': the delta-family kernels take a [B, T, H] beta; a "
+        raise NotImplementedError("MemorySpec: impl='pallas': the kernels take a [B, T, H] beta; a "
                                   "channel-wise beta runs with impl='chunk' (the chunk-start form) or 'recurrent'")
     exact_path = impl != "recurrent" and is_exact(spec) and not channel_beta
-    # The Omega rule on a linear memory with the ℓ2 objective (window c, decoupled decay): exact
-    # through ops.omega. With the dot objective (swla) the gradient does not read θ, so the
-    # chunk-start form below is already exact, keeps φ per chunk (dual form) and measured closer to
-    # the recurrence (swla's layer, φ-coefficient gradients at chunk 8: 3e-6 against 1.5e-5).
-    omega_path = (impl in ("chunk", "auto") and is_omega_exact(spec) and isinstance(spec.objective, L2)
-                  and not channel_beta and steps == 1)
+    # The Omega rule on a linear memory (window c, decoupled decay): exact through ops.omega_linear,
+    # on the Omega kernels with "pallas" (and "auto" on GPU/TPU), else ℓ2 through its XLA chunk
+    # form and swla's dot through the chunk-start form below (``omega_impl`` says why).
+    omega_route = None
+    if impl != "recurrent" and is_omega_exact(spec) and not channel_beta and steps == 1:
+        omega_route = omega_impl(spec, impl, spec.feature_dim(q.shape[-1]))
+    omega_path = omega_route is not None
     as_given = exact_path and q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating)
     if not as_given:
         q, k, v = map(f32, (q, k, v))
@@ -398,7 +403,8 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         return o[:, emit], final
 
     if omega_path:
-        o, params = omega_chunked(spec, state.params, state.window, steps_bsh, chunk_size=chunk_size)
+        o, params = omega_chunked(spec, state.params, state.window, steps_bsh, chunk_size=chunk_size,
+                                  impl=omega_route)
         window = None
         if spec.window > 1:
             bhs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), steps_bsh)

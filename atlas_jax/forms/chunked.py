@@ -9,7 +9,8 @@ window c ≥ 1, GD, and decoupled scalar (or no) decay — swla, and omeganet / 
 linear memory — is exact at any chunk size: with ℓ2 through the expanded-WY form
 ``atlas_jax.ops.omega_linear_chunk`` (each token becomes its c window terms; ``omega_chunked``);
 with the dot objective (swla) the gradient does not read θ, so the chunk-start form below is
-already exact and runs it.
+already exact and runs it. Both objectives run on the Omega Pallas kernels
+(``atlas_jax.ops.omega_linear``, impl "pallas") where ``omega_impl`` picks them.
 
 **Chunk-start gradients** (everything else; Titans §3.2, TTT mini-batch GD, ATLAS §3.3, MIRAS):
 inside a chunk of b steps every gradient is taken at the chunk's starting θ₀,
@@ -47,7 +48,7 @@ from atlas_jax.retention import decay_tree
 from atlas_jax.objectives import L2, Dot
 
 __all__ = ["is_exact", "is_omega_exact", "chunked_sequence", "exact_chunked", "omega_chunked",
-           "runs_dual_form"]
+           "omega_impl", "runs_dual_form"]
 
 _PARALLEL_KINDS = ("gd", "momentum", "muon", "implicit_gd")
 
@@ -84,21 +85,48 @@ def is_omega_exact(spec) -> bool:
             and decay_ok)
 
 
-def omega_chunked(spec, params, window, steps: Steps, *, chunk_size: int):
+# impl="auto" takes the Omega kernels on GPU/TPU only up to this feature width d_φ: the GPU kernel
+# holds a [d_φ, 16..64] state block per program in registers (d_φ padded to a power of two), and
+# was lowered and tested at K 64 / 128 only; the polynomial features of swla / omeganet-style
+# specs (d_φ = C(d + 2, 2), 2145 at d = 64) stay on the XLA forms, which "pallas" overrides.
+OMEGA_AUTO_MAX_DIM = 256
+
+
+def omega_impl(spec, impl: str, d_in: int) -> str | None:
+    """What runs an ``is_omega_exact`` spec's call with MemorySpec impl ``impl`` (not "recurrent")
+    on a d_in-wide feature map: the ``ops.omega_linear`` impl ("pallas": the Omega kernels,
+    interpret mode on CPU; "chunk": the expanded-WY XLA form), or None for the chunk-start form.
+
+    "pallas" always takes the kernels; "auto" takes them where ``ops.omega_linear``'s own "auto"
+    does (GPU / TPU) and d_in ≤ OMEGA_AUTO_MAX_DIM, else runs what "chunk" runs: ℓ2 through
+    ``omega_linear_chunk``; the dot objective (swla) through the chunk-start form, exact there
+    (its gradient does not read θ), which keeps φ per chunk (dual form: no [T, d_φ] array) and
+    measured closer to the recurrence (swla's layer, φ-coefficient gradients at chunk 8: 3e-6
+    against 1.5e-5)."""
+    from atlas_jax.ops.omega.api import _choose_impl
+
+    if impl == "pallas" or (impl == "auto" and _choose_impl("auto") == "pallas"
+                            and d_in <= OMEGA_AUTO_MAX_DIM):
+        return "pallas"
+    return "chunk" if isinstance(spec.objective, L2) else None
+
+
+def omega_chunked(spec, params, window, steps: Steps, *, chunk_size: int, impl: str = "chunk"):
     """Exact chunked Omega rule over [B, S, H, ·] steps (one step per token, φ already applied);
     ``params`` = {"S": [B, H, d_in, d_out]}, ``window`` the spec's WindowCache ([B, H, c − 1, ·])
-    or None at c = 1. Returns (o [B, S, H, d_out], {"S": final}); the caller updates the cache."""
-    from atlas_jax.ops.omega import omega_linear_chunk
+    or None at c = 1; ``impl`` the ``ops.omega_linear`` impl ("chunk" or "pallas"; see
+    ``omega_impl``). Returns (o [B, S, H, d_out], {"S": final}); the caller updates the cache."""
+    from atlas_jax.ops.omega import omega_linear
 
     opt_info = inner_opt.info(spec.optimizer)
     beta = steps.step_size if steps.step_size is not None else jnp.full(steps.gates.shape, opt_info.step_size)
     gamma = steps.window_gates if steps.window_gates is not None else steps.gates
     g = steps.log_decay if spec.retention.decay != "none" else None
     initial_window = None if window is None else (window.inputs, window.targets, window.weights)
-    o, final = omega_linear_chunk(steps.queries, steps.inputs, steps.targets, beta, g, gamma,
-                                  window=spec.window, objective="l2" if isinstance(spec.objective, L2) else "dot",
-                                  scale=1.0, initial_state=params["S"], output_final_state=True,
-                                  initial_window=initial_window, chunk_size=chunk_size)
+    o, final = omega_linear(steps.queries, steps.inputs, steps.targets, beta, g, gamma,
+                            window=spec.window, objective="l2" if isinstance(spec.objective, L2) else "dot",
+                            scale=1.0, initial_state=params["S"], output_final_state=True,
+                            initial_window=initial_window, impl=impl, chunk_size=chunk_size)
     return o, {"S": final}
 
 
