@@ -147,7 +147,7 @@ def test_omega_rule_chunked_equals_recurrent_outputs_states_and_gradients(name, 
     state (S and the window cache) and the gradients w.r.t. q, k, v, beta, g, gamma, S_0 and the
     feature map's coefficients equal the recurrent form's to 1e-5 relative."""
     spec = _omega_specs()[name]
-    assert spec.chunked_is_exact and not spec.has_kernel
+    assert spec.chunked_is_exact and spec.has_kernel
     B, T, H, K, V = 2, 37, 2, 6, 5
     c, d = spec.window, spec.feature_dim(K)
     ks = jax.random.split(jax.random.PRNGKey(21), 10)
@@ -191,12 +191,10 @@ def test_omega_rule_chunked_equals_recurrent_outputs_states_and_gradients(name, 
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 assert float(jnp.max(jnp.abs(y))) > 0, label
                 assert rel(x, y) < 1e-5, (chunk, label, rel(x, y))
-    # "auto" takes the same exact XLA form (no kernel covers the Omega rule); "pallas" refuses.
+    # "auto" on CPU takes the same exact XLA form; "pallas" runs the Omega kernels (tests/test_omega_routing.py).
     o_auto, _ = spec(q, k, v, beta=beta, g=g, gamma=gamma, initial_state=state0, impl="auto", chunk_size=8,
                      feature_params=fp, scale=0.8)
     assert rel(o_auto, o_rec) < 1e-5
-    with pytest.raises(NotImplementedError, match="pallas"):
-        spec(q, k, v, beta=beta, g=g, gamma=gamma, impl="pallas", chunk_size=16)
 
 
 def test_least_squares_chunked_is_exact_at_any_chunk_size():

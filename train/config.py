@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from atlas_jax.models.config import REMAT_POLICIES
+
 from atlas_jax.config import (Config, ConfigError, build, config_dir, config_path, load_config, resolve_config_file,
                               setting)
 from atlas_jax.config import to_dict as _to_dict
@@ -111,7 +113,7 @@ class TrainConfig(Config):
     log_every: int = setting(10, ge=1)
     eval_every: int = setting(100, ge=0)        # 0: only at the end
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"    # float32 master weights either way
-    remat: Literal["none", "full", "dots"] = "none"    # rematerialisation of the forward
+    remat: Literal[REMAT_POLICIES] = "none"    # rematerialisation of the forward (models.config owns the names)
     on_nonfinite: Literal["skip", "stop"] = "skip"
     progress: bool = True                       # tqdm bar on process 0
     tensorboard: bool = True

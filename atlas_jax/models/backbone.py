@@ -139,7 +139,8 @@ class LanguageModel(nnx.Module):
         if self.config.remat != "none":
             fn = nnx.remat(fn, policy=_REMAT[self.config.remat])
 
-        @nnx.scan(in_axes=(0, nnx.Carry) + (0,) * len(scanned), out_axes=(nnx.Carry, 0))
+        @nnx.scan(in_axes=(0, nnx.Carry) + (0,) * len(scanned), out_axes=(nnx.Carry, 0),
+                  unroll=1 if self.config.scan_layers else True)
         def step(block, carry, *per_block):
             return fn(block, carry, *per_block)
 

@@ -89,6 +89,9 @@ class ModelConfig:
     dtype: str = "float32"               # compute dtype (bfloat16 for training on accelerators)
     param_dtype: str = "float32"
     remat: str = "none"                  # none | full | dots | dots_and_kernels
+    # True: one lax.scan over the blocks (a compact program); False: unrolled (longer compile; on
+    # GPU the backward's saved values are not copied in and out of stacked scan buffers)
+    scan_layers: bool = True
     norm_eps: float = 1e-6
 
     def __post_init__(self):
@@ -102,6 +105,9 @@ class ModelConfig:
                      "chunk_size", "gate_rank", "mac_segment", "max_documents"):
             _positive_int(name, getattr(self, name))
         _positive_int("conv_size", self.conv_size, allow_zero=True)
+        for name in ("tie_embeddings", "scan_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model config: {name} must be true or false, got {getattr(self, name)!r}")
         _positive_int("num_persistent", self.num_persistent, allow_zero=True)
         if self.width % self.num_heads:
             divisors = [h for h in range(1, self.width + 1) if self.width % h == 0]

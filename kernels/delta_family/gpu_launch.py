@@ -535,9 +535,10 @@ def core(st, q, k, v, beta, g, s0, offs):
 
 def _core_fwd(st, q, k, v, beta, g, s0, offs):
     o, sT, res = _forward(st, q, k, v, beta, g, s0, offs, save=True)
-    # Named so that a remat policy can keep them (support.RESIDUALS_NAME) instead of rerunning
-    # the forward kernels in the backward; the per-chunk states h are not (see name_residuals).
-    res = {name: (x if name == "h" else support.name_residuals(x)) for name, x in res.items()}
+    # Named so that a remat policy can keep them instead of rerunning the forward kernels in the
+    # backward (see support.name_residuals).
+    res = {name: support.name_residuals(x, support.STATES_NAME if name == "h" else support.RESIDUALS_NAME)
+           for name, x in res.items()}
     return (o, sT), (q, k, v, beta, g, s0, offs, res)
 
 
