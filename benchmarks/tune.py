@@ -55,6 +55,11 @@ VARIANTS = {
     "state_bv32": dict(block_v=32),
     "state_s2": dict(num_stages_state=2),
     "out_bv64": dict(block_v_out=64),
+    "out_bv256": dict(block_v_out=256),
+    "out_w4": dict(num_warps_out=4),
+    "out_s2": dict(num_stages_out=2),
+    "state_w4": dict(num_warps_state=4),
+    "state_w16": dict(num_warps_state=16),
     "out_whole": dict(block_k_out=128, num_stages_out=1),
     # K3 / K4 (backward)
     "split_bwd": dict(split_state_bwd=True),

@@ -170,7 +170,8 @@ def test_one_document_per_row_masks_instead_of_moving_rows():
     tokens = _tokens(6, (2, 11))
     whole = model(tokens)
     packed = model(tokens, jnp.ones((2, 11), jnp.int32))
-    np.testing.assert_array_equal(np.asarray(packed), np.asarray(whole))
+    # The same math; the masked convolution may contract its float32 sums differently (1 ulp).
+    assert _rel(packed, whole) <= 1e-6
     two = model(tokens, jnp.asarray([[1] * 11, [1] * 6 + [2] * 5], jnp.int32))
     assert _rel(two[:, :6], whole[:, :6]) <= 1e-6 and bool(jnp.all(jnp.isnan(two[1, 6:])))
 

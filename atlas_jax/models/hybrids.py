@@ -63,9 +63,7 @@ class MAC(nnx.Module):
         """M_θ(φ(q)) with θ the state at the segment start, for the segment's queries: reading the
         memory is applying its architecture, not running the recurrence."""
         mem = self.memory
-        raw = mem._projections(x)
-        qkv = mem.conv(raw) if mem.conv is not None else raw
-        q = mem._split(qkv, x)[0]
+        q = mem._inputs(x)[0]
         spec = mem.spec
         coeffs = {} if mem.feature_coeffs is None else {"coeffs": mem.feature_coeffs[...].astype(jnp.float32)}
         fq = spec.feature_map.apply(coeffs, mem.scale * q.astype(jnp.float32))            # [B, S, H, d_φ]
@@ -108,9 +106,7 @@ class MAC(nnx.Module):
             index, x_seg = inputs
             retrieved = self.retrieved_proj(self._read(state, x_seg).reshape(batch, seg, -1).astype(self.dtype))
             y = self._attend(x_seg, retrieved, index * seg)
-            raw = mem._projections(y)
-            qkv = mem.conv(raw) if mem.conv is not None else raw
-            q, k, v, knobs = mem._split(qkv, y)
+            q, k, v, knobs = mem._inputs(y)
             o, state = mem._run(q, k, v, knobs, impl=mem.impl, initial_state=state, output_final_state=True)
             m = mem._out(o, y)
             return state, (y.astype(jnp.float32) * jax.nn.sigmoid(self.memory_norm(m))).astype(self.dtype)
