@@ -205,16 +205,6 @@ def _causal_conv_silu_bwd(res, dy):
 causal_conv_silu.defvjp(_causal_conv_silu_fwd, _causal_conv_silu_bwd)
 
 
-def conv_silu(x, w, segment_ids=None):
-    """causal_conv_silu; on GPU the Pallas kernels (atlas_jax.kernels.conv)."""
-    if jax.default_backend() == "gpu":
-        from atlas_jax.kernels.conv import causal_conv_silu_gpu   # Pallas loads on GPU only
-        return causal_conv_silu_gpu(x, w, segment_ids)
-    # A sum over the lags: on an H100 this beat XLA's depthwise conv_general_dilated (340m GDN
-    # training step 185 vs 233 ms).
-    return causal_conv_silu(x, w, segment_ids)
-
-
 class ShortConv(nnx.Module):
     """Causal depthwise convolution over time (kernel ``size``) followed by SiLU; weight index
     size−1 multiplies the current token. Restarts at document boundaries when given segment ids."""
@@ -234,7 +224,10 @@ class ShortConv(nnx.Module):
         out, start = [], 0
         for x in xs:
             width = x.shape[-1]
-            out.append(conv_silu(x.astype(self.dtype), w[:, start:start + width], segment_ids))
+            # A sum over the lags: on an H100 this beat XLA's depthwise conv_general_dilated (340m
+            # GDN step 185 vs 233 ms) and a Pallas kernel of ours (fwd+bwd at [8, 4096, 1024] bf16
+            # 0.32 vs 0.35 ms; benchmarks/results/lm_throughput_h100_2026-11-25.md).
+            out.append(causal_conv_silu(x.astype(self.dtype), w[:, start:start + width], segment_ids))
             start += width
         if start != w.shape[1]:
             raise ValueError(f"ShortConv: the inputs hold {start} channels, the kernel {w.shape[1]}")

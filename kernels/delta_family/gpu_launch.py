@@ -537,8 +537,7 @@ def _core_fwd(st, q, k, v, beta, g, s0, offs):
     o, sT, res = _forward(st, q, k, v, beta, g, s0, offs, save=True)
     # Named so that a remat policy can keep them instead of rerunning the forward kernels in the
     # backward (see support.name_residuals).
-    res = {name: support.name_residuals(x, support.STATES_NAME if name == "h" else support.RESIDUALS_NAME)
-           for name, x in res.items()}
+    res = support.name_residuals(res)
     return (o, sT), (q, k, v, beta, g, s0, offs, res)
 
 

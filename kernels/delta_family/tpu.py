@@ -134,7 +134,7 @@ def _core(cfg, q, k, v, beta, g, h0, seq, first, last, has):
 
 def _core_fwd(cfg, q, k, v, beta, g, h0, seq, first, last, has):
     o, fin, h = _forward(cfg, q, k, v, beta, g, h0, seq, first, has, save_h=True)
-    h = support.name_residuals(h, support.STATES_NAME)
+    h = support.name_residuals(h)
     return (o, fin), (q, k, v, beta, g, h, seq, first, last, has)
 
 
