@@ -501,7 +501,10 @@ class MemoryLayer(nnx.Module):
 
     # -- the three calls -------------------------------------------------------------------------
     def __call__(self, x, segment_ids=None, positions=None):
-        q, k, v, knobs = self._inputs(x, segment_ids)
+        # One document per row (max_documents 1): its tokens' lags never reach another document
+        # (a second one is NaN below), so the convolution needs no document mask.
+        conv_segments = None if self.max_documents == 1 else segment_ids
+        q, k, v, knobs = self._inputs(x, conv_segments)
         if segment_ids is None:
             o, _ = self._run(q, k, v, knobs, impl=self.impl)
         else:
