@@ -124,9 +124,10 @@ class MemorySpec:
 
     @property
     def has_kernel(self) -> bool:
-        """impl="pallas" covers the spec: the exact delta family, and the exact Omega rule on a
+        """impl="pallas" covers the spec: the exact delta family with the ℓ2 objective (the delta
+        write; the dot objective's linear attention has no kernel), and the exact Omega rule on a
         linear memory (``is_omega_exact``: the Omega kernels through ``ops.omega_linear``)."""
-        return is_exact(self) or is_omega_exact(self)
+        return (is_exact(self) and isinstance(self.objective, L2)) or is_omega_exact(self)
 
     # ---- state ---------------------------------------------------------------------------
     def init_state(self, key, *, batch: int, heads: int, d_k: int, d_v: int, params=None) -> MemoryState:

@@ -52,6 +52,10 @@ def test_has_kernel_is_truthful():
         assert not presets.get(name).has_kernel, name
     coupled = aj.MemorySpec(LinearMemory(), Identity(), obj.L2(), 3, opt.gd(), ret.scalar())
     assert not coupled.has_kernel
+    # Linear attention (dot objective, window 1) is exact in XLA, but the kernels write deltas only.
+    for name in ("linear_attention", "retnet", "mamba2", "gla"):
+        spec = presets.get(name)
+        assert spec.chunked_is_exact and not spec.has_kernel, name
 
 
 def _inputs(spec, *, per_position, T=19, K=3, V=4):
