@@ -145,8 +145,8 @@ def run_preset(preset, args, work: Path):
     return out
 
 
-def table(results, args):
-    lines = [f"| model | run | devices | tokens/s | peak GB / device | MFU | max rel. loss vs 1 device |",
+def table(results):
+    lines = ["| model | run | devices | tokens/s | peak GB / device | MFU | max rel. loss vs 1 device |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for res in results:
         for name, r in res["runs"].items():
@@ -176,7 +176,7 @@ def main(argv=None):
         parser.error("--steps must be an even number >= 4 (the resume runs start at steps / 2)")
     work = Path(tempfile.mkdtemp(prefix="multi_gpu_"))
     results = [run_preset(p, args, work) for p in args.presets.split(",")]
-    text = table(results, args)
+    text = table(results)
     log(text)
     out = args.out or os.environ.get("OUT")
     save_json(results, out, "multi_gpu.json")

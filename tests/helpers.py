@@ -82,3 +82,30 @@ def make_inputs(seed, *, gate, B=1, T=37, H=2, K=16, V=32, strength="normal", n_
     wo = jax.random.normal(ks[2], (B, T, H, V))
     ws = jax.random.normal(ks[3], (n, H, K, V))
     return [q, k, v, beta, None if gate == "none" else g, s0], (wo, ws)
+
+
+def omega_spec_inputs(spec, *, per_position, seed, T, K, V, prefix):
+    """Random inputs of a linear-memory Omega spec (B 2, H 2): (q, k, v, beta, g, gamma), a state
+    to continue from (S_0 random and, for a window c > 1, the cache filled by the recurrence over
+    the first `prefix` tokens), and cotangents for the outputs and the final S."""
+    B, H = 2, 2
+    c, d = spec.window, spec.feature_dim(K)
+    ks = jax.random.split(jax.random.PRNGKey(seed), 10)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    k = 0.5 * k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    beta = 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    g = -jax.nn.softplus(jax.random.normal(ks[4], (B, T, H)))
+    gamma = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H) + ((c,) if per_position else ())))
+    state0 = spec.init_state(None, batch=B, heads=H, d_k=K, d_v=V,
+                             params={"S": 0.1 * jax.random.normal(ks[6], (B, H, d, V))})
+    if c > 1:
+        def pre(x):
+            return x[:, :prefix]
+        _, state0 = spec(pre(q), pre(k), pre(v), beta=pre(beta), g=pre(g), gamma=pre(gamma),
+                         initial_state=state0, output_final_state=True, impl="recurrent")
+        assert float(jnp.min(state0.window.weights)) > 0
+    co = jax.random.normal(ks[7], (B, T, H, V))
+    cs = jax.random.normal(ks[8], (B, H, d, V))
+    return (q, k, v, beta, g, gamma), state0, co, cs

@@ -16,7 +16,7 @@ from atlas_jax import optimizers as opt
 from atlas_jax import presets
 from atlas_jax import retention as ret
 from atlas_jax.memory import LinearMemory, MLPMemory
-from helpers import random_inputs, rel, tree_rel
+from helpers import omega_spec_inputs, random_inputs, rel, tree_rel
 
 EXACT = ["linear_attention", "retnet", "mamba2", "gla", "polysketch", "deltanet", "gated_deltanet", "kda",
          "rwkv7", "longhorn", "deltaproduct", "ttt_linear"]
@@ -148,27 +148,11 @@ def test_omega_rule_chunked_equals_recurrent_outputs_states_and_gradients(name, 
     feature map's coefficients equal the recurrent form's to 1e-5 relative."""
     spec = _omega_specs()[name]
     assert spec.chunked_is_exact and spec.has_kernel
-    B, T, H, K, V = 2, 37, 2, 6, 5
-    c, d = spec.window, spec.feature_dim(K)
-    ks = jax.random.split(jax.random.PRNGKey(21), 10)
-    q = jax.random.normal(ks[0], (B, T, H, K))
-    k = jax.random.normal(ks[1], (B, T, H, K))
-    k = 0.5 * k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(ks[2], (B, T, H, V))
-    beta = 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    g = -jax.nn.softplus(jax.random.normal(ks[4], (B, T, H)))
-    gamma = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H) + ((c,) if per_position else ())))
-    # A state to continue from: S_0 random, the window cache filled by a short prefix.
-    state0 = spec.init_state(None, batch=B, heads=H, d_k=K, d_v=V,
-                             params={"S": 0.1 * jax.random.normal(ks[6], (B, H, d, V))})
-    pre = lambda x: x[:, :5]
-    _, state0 = spec(pre(q), pre(k), pre(v), beta=pre(beta), g=pre(g), gamma=pre(gamma), initial_state=state0,
-                     output_final_state=True, impl="recurrent")
-    assert float(jnp.min(state0.window.weights)) > 0
+    assert spec.window > 1     # the state continues from a filled window cache
+    (q, k, v, beta, g, gamma), state0, co, cs = omega_spec_inputs(spec, per_position=per_position, seed=21,
+                                                                  T=37, K=6, V=5, prefix=5)
     fp = spec.feature_map.init_params()
     fp = jax.tree.map(lambda x: x * (1.0 + 0.1 * jnp.arange(x.size).reshape(x.shape)), fp)
-    co = jax.random.normal(ks[7], (B, T, H, V))
-    cs = jax.random.normal(ks[8], (B, H, d, V))
 
     def loss(q, k, v, beta, g, gamma, s0, fp, impl, chunk):
         st = state0._replace(params={"S": s0})

@@ -18,14 +18,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import rel
+from helpers import omega_spec_inputs, rel
 
 import atlas_jax as aj
 from atlas_jax import objectives as obj
 from atlas_jax import optimizers as opt
 from atlas_jax import presets
 from atlas_jax import retention as ret
-from atlas_jax.features import Identity, Polynomial
+from atlas_jax.features import Identity
 from atlas_jax.forms import chunked
 from atlas_jax.memory import LinearMemory
 from atlas_jax.ops.omega import api as omega_api
@@ -59,26 +59,7 @@ def test_has_kernel_is_truthful():
 
 
 def _inputs(spec, *, per_position, T=19, K=3, V=4):
-    B, H = 2, 2
-    c, d = spec.window, spec.feature_dim(K)
-    ks = jax.random.split(jax.random.PRNGKey(5), 9)
-    q = jax.random.normal(ks[0], (B, T, H, K))
-    k = jax.random.normal(ks[1], (B, T, H, K))
-    k = 0.5 * k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(ks[2], (B, T, H, V))
-    beta = 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    g = -jax.nn.softplus(jax.random.normal(ks[4], (B, T, H)))
-    gamma = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H) + ((c,) if per_position else ())))
-    state0 = spec.init_state(None, batch=B, heads=H, d_k=K, d_v=V,
-                             params={"S": 0.1 * jax.random.normal(ks[6], (B, H, d, V))})
-    if c > 1:   # continue from a filled window cache (a short prefix run by the recurrence)
-        pre = lambda x: x[:, :4]
-        _, state0 = spec(pre(q), pre(k), pre(v), beta=pre(beta), g=pre(g), gamma=pre(gamma),
-                         initial_state=state0, output_final_state=True, impl="recurrent")
-        assert float(jnp.min(state0.window.weights)) > 0
-    co = jax.random.normal(ks[7], (B, T, H, V))
-    cs = jax.random.normal(ks[8], (B, H, d, V))
-    return (q, k, v, beta, g, gamma), state0, co, cs
+    return omega_spec_inputs(spec, per_position=per_position, seed=5, T=T, K=K, V=V, prefix=4)
 
 
 @pytest.mark.parametrize("name,per_position", [("omeganet_linear_c1", False), ("omeganet_linear_c3", False),

@@ -250,14 +250,16 @@ def _positive_int(name, x):
     return int(x)
 
 
-def _resolve_interpret(interpret):
+def resolve_interpret(interpret, fn=_FN):
+    """The TPU kernels' `interpret` argument (also the Omega kernels'): None picks interpret mode
+    off a TPU, True an InterpretParams(); `fn` names the entry in the error."""
     if interpret is None:
         return pltpu.InterpretParams() if jax.default_backend() != "tpu" else False
     if interpret is True:
         return pltpu.InterpretParams()
     if interpret is False or isinstance(interpret, pltpu.InterpretParams):
         return interpret
-    raise TypeError(f"{_FN}: argument `interpret` must be None, a bool or a "
+    raise TypeError(f"{fn}: argument `interpret` must be None, a bool or a "
                     f"pltpu.InterpretParams; got {interpret!r}.")
 
 
@@ -324,5 +326,5 @@ def chunk_delta_family_tpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
     cfg = _Config(mode=call.gate, chunk=C, sub=sub, bv=bv, fused=bool(block_sizes.fused),
                   scale=float(scale),
                   normalize=bool(normalize_qk), eps=support.L2NORM_EPS,
-                  interpret=_resolve_interpret(interpret))
+                  interpret=resolve_interpret(interpret))
     return _run(cfg, bool(output_final_state), q, k, v, beta, g, initial_state, cu)

@@ -277,11 +277,7 @@ _core = support.state_pass_vjp(_forward, _backward)
 def _run(x0, w, kd, qg, p, last, s0, *, cfg, sizes):
     N, B, H, C, M, K, V = sizes
     Cp, Mp, Kp, Vp = (support.next_pow2(n, 16) for n in (C, M, K, V))
-    dtype = support.operand_dtype(x0)
-    x0, kd, qg, p = (a.astype(dtype) for a in (x0, kd, qg, p))
-    w = None if w is None else w.astype(dtype)
-    s0 = jnp.zeros((B, H, K, V), F32) if s0 is None else s0.astype(F32)
-    x0, w, kd, qg, p, s0 = support.padded_operands(x0, w, kd, qg, p, s0, C=Cp, M=Mp, K=Kp, V=Vp)
+    x0, w, kd, qg, p, s0 = support.kernel_operands(x0, w, kd, qg, p, s0, C=Cp, M=Mp, K=Kp, V=Vp)
 
     def flat(a):      # [N, B, H, ...] -> [N, B·H, ...] (free: B and H are adjacent)
         return None if a is None else a.reshape((N, B * H) + a.shape[3:])

@@ -103,6 +103,16 @@ def round_up(n, multiple):
     return -(-int(n) // multiple) * multiple
 
 
+def kernel_operands(x0, w, kd, qg, p, s0, *, C, M, K, V):
+    """The operands as both kernels load them: in `operand_dtype(x0)`, the state in float32 (zeros
+    when s0 is None; x0 is [N, B, H, M, V], s0 [B, H, K, V]), zero-padded by `padded_operands`."""
+    dtype = operand_dtype(x0)
+    x0, kd, qg, p = (a.astype(dtype) for a in (x0, kd, qg, p))
+    w = None if w is None else w.astype(dtype)
+    s0 = jnp.zeros(x0.shape[1:3] + (kd.shape[-1], x0.shape[-1]), F32) if s0 is None else s0.astype(F32)
+    return padded_operands(x0, w, kd, qg, p, s0, C=C, M=M, K=K, V=V)
+
+
 def padded_operands(x0, w, kd, qg, p, s0, *, C, M, K, V):
     """The operands zero-padded to chunk rows C, pseudo-token rows M, key width K and value width
     V. Padding changes no number: padded pseudo-tokens have X0 = W = kd = P = 0 (they write

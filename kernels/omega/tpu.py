@@ -37,6 +37,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from atlas_jax.kernels.delta_family.tpu import resolve_interpret
 from atlas_jax.kernels.delta_family.tpu_math import mm, mm_nt, mm_tn
 from atlas_jax.kernels.omega import support
 from jax.experimental import pallas as pl
@@ -240,10 +241,7 @@ def _run(x0, w, kd, qg, p, last, s0, *, cfg, sizes):
     dtype = support.operand_dtype(x0)
     sublanes = 16 if dtype == support.BF16 else 8
     Cp, Mp = support.round_up(C, sublanes), support.round_up(M, sublanes)
-    x0, kd, qg, p = (a.astype(dtype) for a in (x0, kd, qg, p))
-    w = None if w is None else w.astype(dtype)
-    s0 = jnp.zeros((B, H, K, V), F32) if s0 is None else s0.astype(F32)
-    x0, w, kd, qg, p, s0 = support.padded_operands(x0, w, kd, qg, p, s0, C=Cp, M=Mp, K=K, V=V)
+    x0, w, kd, qg, p, s0 = support.kernel_operands(x0, w, kd, qg, p, s0, C=Cp, M=Mp, K=K, V=V)
 
     def flat(a):      # [N, B, H, ...] -> [N, B·H, ...] (free: B and H are adjacent)
         return None if a is None else a.reshape((N, B * H) + a.shape[3:])
@@ -256,17 +254,6 @@ def _run(x0, w, kd, qg, p, last, s0, *, cfg, sizes):
     if starts is not None:
         starts = starts.reshape(N, B, H, K, V)
     return o, sT, starts
-
-
-def _resolve_interpret(interpret):
-    if interpret is None:
-        return pltpu.InterpretParams() if jax.default_backend() != "tpu" else False
-    if interpret is True:
-        return pltpu.InterpretParams()
-    if interpret is False or isinstance(interpret, pltpu.InterpretParams):
-        return interpret
-    raise TypeError(f"{_FN}: argument `interpret` must be None, a bool or a "
-                    f"pltpu.InterpretParams; got {interpret!r}.")
 
 
 def omega_state_pass_tpu(x0, w, kd, qg, p, last, initial_state=None, *,
@@ -290,5 +277,5 @@ def omega_state_pass_tpu(x0, w, kd, qg, p, last, initial_state=None, *,
         bs = dataclasses.replace(bs, block_v=V)
     bs.check(V)
     cfg = _Cfg(n_chunks=sizes[0], has_w=w is not None, block_v=bs.block_v,
-               output_starts=bool(output_chunk_states), interpret=_resolve_interpret(interpret))
+               output_starts=bool(output_chunk_states), interpret=resolve_interpret(interpret, _FN))
     return _run(x0, w, kd, qg, p, last, initial_state, cfg=cfg, sizes=sizes)
