@@ -54,22 +54,37 @@ def delta_family_op(spec):
     return {"none": ops.delta_rule, "scalar": ops.gated_delta_rule, "channel": ops.kda}[spec.retention.decay]
 
 
+def memory_op(spec, impl: str, initial_state=None):
+    """The atlas_jax.ops function ``run_memory`` runs ``spec`` on, or None (MemorySpec's forms): the
+    recurrent impl stays the core's float32 scan reference."""
+    op = delta_family_op(spec)
+    if op is None or impl == "recurrent" or not (initial_state is None or isinstance(initial_state, MemoryState)):
+        return None
+    return op
+
+
 def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None,
-               output_final_state: bool = False, feature_params=None, scale: float = 1.0):
+               output_final_state: bool = False, feature_params=None, scale: float = 1.0,
+               fused: dict | None = None):
     """The one call into the core: (o [B, T, H, V], final state or None).
 
     The exact delta family goes to atlas_jax.ops directly (the same algorithm MemorySpec's chunked
     form dispatches to) so that bf16 operands reach the Pallas kernels as bf16: MemorySpec casts
-    q, k, v to float32 first."""
+    q, k, v to float32 first. ``fused``: fla's activation arguments for that op
+    (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel); knobs' g and beta are then
+    the op's raw inputs, so any other route is an error."""
+    op = memory_op(spec, impl, initial_state)
+    if fused and op is None:
+        raise ValueError(f"run_memory: {sorted(fused)} are arguments of the delta-family ops, which do not "
+                         f"run {getattr(spec, 'name', spec)!r} with impl={impl!r} and this initial state")
     if isinstance(spec, ClosedForm):
         extra = {"beta": knobs["beta"]} if "beta" in knobs else {}
         return spec(q, k, v, scale=scale, **extra), None
-    op = delta_family_op(spec)
-    if op is not None and impl != "recurrent" and (initial_state is None or isinstance(initial_state, MemoryState)):
+    if op is not None:
         state = None if initial_state is None else initial_state.params["S"]
         args = (q, k, v, knobs["beta"]) if op.__name__ == "delta_rule" else (q, k, v, knobs.get("g"), knobs["beta"])
         o, final = op(*args, scale=scale, initial_state=state, output_final_state=output_final_state,
-                      impl=impl, chunk_size=chunk_size)
+                      impl=impl, chunk_size=chunk_size, **(fused or {}))
         if final is not None:
             batch, _, heads, d_k = q.shape
             final = spec.init_state(None, batch=batch, heads=heads, d_k=d_k, d_v=v.shape[-1], params={"S": final})
@@ -360,6 +375,12 @@ class MemoryLayer(nnx.Module):
     SWDT and Dot). ``impl``: auto | pallas | chunk | recurrent (the core's forms; the exact delta
     family runs through atlas_jax.ops and so the Pallas kernels on GPU/TPU)."""
 
+    # On a delta-family op the op applies the gate and β activations to raw inputs (fla's
+    # use_gate_in_kernel / use_beta_sigmoid_in_kernel): one owner of those formulas, and its
+    # backward recomputes them instead of keeping g and β. False keeps them in the layer: the
+    # reference the tests compare the fused layer against.
+    fuse_activations = True
+
     def __init__(self, spec, *, width: int, heads: int, impl: str = "auto", chunk_size: int = 64,
                  conv_size: int = 4, gate_rank: int = 16, memory_init: str = "shared", max_documents: int = 8,
                  step_size_max: float | None = None, expand_v: float = 1, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -453,32 +474,51 @@ class MemoryLayer(nnx.Module):
         kernels in a 434 ms loss+grad profile)."""
         return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
 
-    def _inputs(self, x, segment_ids=None, raw=None):
-        """(q, k, v, knobs) of x: projections, the short convolution of each, the heads."""
+    def _inputs(self, x, segment_ids=None, raw=None, *, impl=None):
+        """(q, k, v, knobs) of x for ``impl`` (default self.impl): projections, the short
+        convolution of each, the heads."""
         raw = self._projections(x) if raw is None else raw
         pieces = raw if self.conv is None else self.conv.pieces(raw, segment_ids)
-        return self._split(*pieces, x)
+        return self._split(*pieces, x, impl=impl)
 
-    def _split(self, q, k, v, x):
+    def _split(self, q, k, v, x, *, impl=None):
         batch, time = x.shape[:2]
         h, d, dv, n = self.heads, self.head_dim, self.value_dim, self.steps
         q = l2_normalize(q.reshape(batch, time, h, d))
         steps = (n,) if n > 1 else ()
         k = l2_normalize(k.reshape((batch, time, h, *steps, d)))
         v = v.reshape((batch, time, h, *steps, dv))
-        return q, k, v, self._knobs(x)
+        return q, k, v, self._knobs(x, self._fused(self.impl if impl is None else impl))
 
-    def _knobs(self, x):
+    def _fused(self, impl) -> dict:
+        """fla's activation arguments of the delta-family op that runs this layer with ``impl``
+        ({}: the layer activates its knobs itself). β only at step_size_max 1, where
+        step_size_max · sigmoid is fla's sigmoid; delta_product takes no such arguments."""
+        if not self.fuse_activations or self.steps > 1 or memory_op(self.spec, impl) is None:
+            return {}
+        fused = {}
+        if self.decay is not None:
+            fused.update(use_gate_in_kernel=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...])
+        if self.beta_proj is not None and self.step_size_max == 1.0:
+            fused["use_beta_sigmoid_in_kernel"] = True
+        return fused
+
+    def _knobs(self, x, fused):
+        """The per-token knobs, float32; g and β raw where ``fused`` hands their activation to the op."""
         batch, time = x.shape[:2]
         h, f32 = self.heads, lambda y: y.astype(jnp.float32)
         knobs = {}
         if self.beta_proj is not None:
-            beta = self.step_size_max * jax.nn.sigmoid(f32(self.beta_proj(x))).reshape(batch, time, h, self.steps)
+            beta = f32(self.beta_proj(x)).reshape(batch, time, h, self.steps)
+            if not fused.get("use_beta_sigmoid_in_kernel"):
+                beta = self.step_size_max * jax.nn.sigmoid(beta)
             knobs["beta"] = beta if self.steps > 1 else beta[..., 0]
         if self.decay is not None:
             a = f32(self.a_proj(x)) if self.decay == "scalar" else f32(self.g_up(self.g_down(x)))
-            a = (a + self.dt_bias[...].astype(jnp.float32)).reshape(batch, time, h, -1)
-            g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(a)
+            g = a.reshape(batch, time, h, -1)
+            if not fused.get("use_gate_in_kernel"):
+                dt_bias = self.dt_bias[...].astype(jnp.float32).reshape(h, -1)
+                g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(g + dt_bias)
             knobs["g"] = g if self.decay == "channel" else g[..., 0]
         if self.nu_proj is not None:
             knobs["nu"] = jax.nn.sigmoid(f32(self.nu_proj(x)))
@@ -494,7 +534,7 @@ class MemoryLayer(nnx.Module):
             initial_state = self.theta0()
         return run_memory(self.spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
                           initial_state=initial_state, output_final_state=output_final_state,
-                          feature_params=feature_params, scale=self.scale)
+                          feature_params=feature_params, scale=self.scale, fused=self._fused(impl))
 
     def _out(self, o, x):
         o = checkpoint_name(o, MEMORY_OUTPUT)
@@ -540,7 +580,7 @@ class MemoryLayer(nnx.Module):
             out, new_cache["conv"] = self.conv.step(jnp.concatenate(raw, axis=-1), cache["conv"])
             edges = list(itertools.accumulate(r.shape[-1] for r in raw))[:-1]
             raw = jnp.split(out, edges, axis=-1)
-        q, k, v, knobs = self._split(*raw, x)
+        q, k, v, knobs = self._split(*raw, x, impl="recurrent")
         o, new_cache["memory"] = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
                                            output_final_state=True)
         return self._out(o, x), new_cache
