@@ -42,6 +42,7 @@ channel decay, per-token Newton–Schulz, other optax transforms, least squares,
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,13 +109,31 @@ def _chunk_index(chunk_size, window):
     return jnp.arange(chunk_size)[:, None] + jnp.arange(window)[None, :]
 
 
-def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
-    """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out]).
+class ChunkTerms(NamedTuple):
+    """What a chunk of the dual form needs that does not read θ: its gradient sources, the
+    coefficient matrices of the decay, step sizes, momentum and Omega window, and (with a feature
+    map) the first layer's Gram matrix. All of it is chunk-parallel."""
 
-    With ``features`` the steps carry raw k and scale·q, and φ is formed here, chunk-locally."""
-    memory, objective, retention = spec.memory, spec.objective, spec.retention
+    queries: jax.Array          # φ(scale·q)  [b, d_φ]
+    src_inputs: jax.Array       # the gradient sources' inputs φ(k)  [n, d_φ]
+    src_targets: jax.Array      # [n, d_out]
+    src_delta: Any              # [n, d_out] or None
+    src_scale: Any              # [n] (forget-first: the source's decay from the chunk start) or None
+    first_gram: Any             # φ(q)·φ(k_s) [b, n] through φ's kernel, or None
+    from_start: jax.Array       # P_t  [b]
+    state_rows: jax.Array       # M [b, n]: θ_t = P_t θ₀ + state_carry_t m₀ + Σ_s M[t, s] a_s δ_sᵀ
+    state_carry: Any            # [b] or None
+    momentum_rows: Any          # the chunk-end momentum's rows [n] or None
+    momentum_carry: Any         # the chunk-end momentum's coefficient of m₀ (scalar) or None
+    total_step: Any             # Σ_i (P_b/P_i) β_i (Muon per chunk) or None
+    reads_end: jax.Array        # [b] 1 where step t reads the chunk-end state (a map or Muon), else 0
+    next_window: Any            # the window cache after the chunk (WindowCache) or None
+
+
+def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None) -> ChunkTerms:
+    """The θ-free part of one chunk (``win``: the previous c − 1 steps, φ(k) already applied)."""
+    retention = spec.retention
     c, b = spec.window, xc.active.shape[0]
-    params0, opt_state, acc0, win = carry
     active = xc.active
     inputs = xc.inputs if features is None else features(xc.inputs)       # φ(k)      [b, d_φ]
     queries = xc.queries if features is None else features(xc.queries)    # φ(scale·q) [b, d_φ]
@@ -122,7 +141,7 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
     # The Omega window over the chunk extended by the previous c − 1 steps (as the materialising form).
     gates = xc.gates * active
     ext = {"inputs": inputs, "targets": xc.targets, "weights": gates, "delta": xc.delta}
-    if win is not None:   # the cache holds φ(k) of the previous steps
+    if win is not None:
         ext = {"inputs": jnp.concatenate([win.inputs, inputs]),
                "targets": jnp.concatenate([win.targets, xc.targets]),
                "weights": jnp.concatenate([win.weights, gates]),
@@ -160,27 +179,10 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
         if decayed_point:
             first_gram = first_gram[:, window_index.reshape(-1)]                  # [b, b·c]
 
-    def tapped(offsets):
-        layer_inputs = {}
-
-        def matmul(key, h):
-            layer_inputs[key] = h
-            y = h @ params0[key]
-            if src_scale is not None:
-                y = src_scale[:, None] * y
-            return y + offsets[key]
-
-        return memory.apply_linear(src_inputs, matmul), layer_inputs
-
-    n_sources = src_inputs.shape[0]
-    offsets = {key: jnp.zeros((n_sources, w.shape[1]), jnp.float32) for key, w in params0.items()}
-    preds, pullback, layer_inputs = jax.vjp(tapped, offsets, has_aux=True)
-    (cotangents,) = pullback(objective.output_grad(preds, src_targets, src_delta).astype(preds.dtype))
-
     # Coefficients: u_t = Σ_s U[t, s] a_s δ_sᵀ + carry_u[t] m₀; the momentum m_t likewise.
     beta = xc.step_size if xc.step_size is not None else jnp.full((b,), opt_info.step_size, jnp.float32)
     beta = beta * active
-    momentum0, momentum_rows, momentum_carry, carry_u = None, None, None, None
+    momentum_rows, momentum_carry, carry_u = None, None, None
     if opt_info.kind == "gd":
         update_rows = -beta[:, None] * gradient_weights
     elif opt_info.kind == "implicit_gd":
@@ -190,7 +192,6 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
     else:
         nu = xc.momentum_decay if xc.momentum_decay is not None else jnp.full((b,), opt_info.momentum_decay, jnp.float32)
         log_nu = safe_log(jnp.where(active > 0, nu, 1.0))   # padding keeps m
-        momentum0 = opt_state.momentum
         momentum_carry = jnp.exp(jnp.cumsum(log_nu))
         if opt_info.step_inside:   # Titans: S_t = ν_t S_{t−1} − β_t ∇, updates = S_t
             momentum_rows = -(decay_matrix(log_nu) @ (beta[:, None] * gradient_weights))
@@ -200,18 +201,53 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
             momentum_rows = decay_matrix(log_nu) @ gradient_weights
             update_rows = -beta[:, None] * momentum_rows
             carry_u = -beta * momentum_carry
-    state_rows = within @ update_rows                          # M [b, n_sources]
-    state_carry = None if carry_u is None else within @ carry_u
+    next_window = None
+    if win is not None:
+        keep = lambda x: x[-(c - 1):]
+        next_window = WindowCache(keep(ext["inputs"]), keep(ext["targets"]), keep(ext["weights"]),
+                                  win.delta if ext["delta"] is None else keep(ext["delta"]))
+    last = b - 1
+    reads_end = jnp.zeros((b,), jnp.float32)
+    if retention.has_map or opt_info.kind == "muon":
+        # The chunk-end state is not the linear one: from the last real step on, reads use it.
+        reads_end = 1.0 - jnp.concatenate([active[1:], jnp.zeros((1,), active.dtype)])
+    return ChunkTerms(
+        queries=queries, src_inputs=src_inputs, src_targets=src_targets, src_delta=src_delta,
+        src_scale=src_scale, first_gram=first_gram, from_start=from_start,
+        state_rows=within @ update_rows, state_carry=None if carry_u is None else within @ carry_u,
+        momentum_rows=None if momentum_rows is None else momentum_rows[last],
+        momentum_carry=None if momentum_carry is None else momentum_carry[last],
+        total_step=(within[last] @ beta) if opt_info.kind == "muon" else None,
+        reads_end=reads_end, next_window=next_window)
 
-    def read(key, h):
-        y = from_start[:, None] * (h @ params0[key])
-        if state_carry is not None:
-            y = y + state_carry[:, None] * (h @ momentum0[key])
-        # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
-        gram = first_gram if (first_gram is not None and h is queries) else h @ layer_inputs[key].T
-        return y + (state_rows * gram) @ cotangents[key]
 
-    outputs = memory.apply_linear(queries, read)
+def source_pass(spec, params0, terms: ChunkTerms):
+    """Every gradient source through the memory at θ₀ (decayed per source when forget-first): the
+    layer inputs a_s and the output cotangents δ_s of every weight, {key: [n, ·]} each."""
+    def tapped(offsets):
+        layer_inputs = {}
+
+        def matmul(key, h):
+            layer_inputs[key] = h
+            y = h @ params0[key]
+            if terms.src_scale is not None:
+                y = terms.src_scale[:, None] * y
+            return y + offsets[key]
+
+        return spec.memory.apply_linear(terms.src_inputs, matmul), layer_inputs
+
+    n_sources = terms.src_inputs.shape[0]
+    offsets = {key: jnp.zeros((n_sources, w.shape[1]), jnp.float32) for key, w in params0.items()}
+    preds, pullback, layer_inputs = jax.vjp(tapped, offsets, has_aux=True)
+    (cotangents,) = pullback(spec.objective.output_grad(preds, terms.src_targets, terms.src_delta).astype(preds.dtype))
+    return layer_inputs, cotangents
+
+
+def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_inputs, cotangents) -> MemoryState:
+    """The state after the chunk (θ, momentum, accumulator; the window cache is the caller's)."""
+    retention = spec.retention
+    params0, opt_state, acc0, _ = carry
+    momentum0 = None if terms.momentum_rows is None else opt_state.momentum
 
     def at_end(rows, carry_coefficient, start, start_factor):
         """Σ_s rows[s] a_s δ_sᵀ + carry·m₀ + factor·start, one matmul per weight."""
@@ -225,33 +261,54 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
             out[key] = value
         return out
 
-    last = b - 1
     base0 = acc0 if retention.has_map else params0
+    decay_end = terms.from_start[-1]
     new_momentum = None
-    if momentum_rows is not None:
-        new_momentum = at_end(momentum_rows[last], momentum_carry[last], None, None)
+    if terms.momentum_rows is not None:
+        new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None)
     if opt_info.kind == "muon":   # ns_every="chunk": the chunk's steps along NS of the chunk-end momentum
         direction = inner_opt.orthogonalize_tree(new_momentum, opt_info.ns_steps, opt_info.ns_coefficients,
                                                  opt_info.ns_eps)
-        total_step = within[last] @ beta
-        acc_end = jax.tree.map(lambda a0, n: from_start[last] * a0 - total_step * n, base0, direction)
+        acc_end = jax.tree.map(lambda a0, n: decay_end * a0 - terms.total_step * n, base0, direction)
     else:
-        acc_end = at_end(state_rows[last], None if state_carry is None else state_carry[last], base0, from_start[last])
+        carry_end = None if terms.state_carry is None else terms.state_carry[-1]
+        acc_end = at_end(terms.state_rows[-1], carry_end, base0, decay_end)
     params_end = retention.map(acc_end) if retention.has_map else acc_end
-    if retention.has_map or opt_info.kind == "muon":
-        # The chunk-end state is not the linear one: from the last real step on, reads use it.
-        after = jnp.concatenate([active[1:], jnp.zeros((1,), active.dtype)])
-        outputs = jnp.where((after == 0)[:, None], memory.apply(params_end, queries), outputs)
-
-    new_win = None
-    if win is not None:
-        keep = lambda x: x[-(c - 1):]
-        new_win = WindowCache(keep(ext["inputs"]), keep(ext["targets"]), keep(ext["weights"]),
-                              win.delta if ext["delta"] is None else keep(ext["delta"]))
     new_opt_state = opt_state if new_momentum is None else inner_opt.MomentumState(new_momentum)
-    new_state = MemoryState(params_end, new_opt_state, acc_end if retention.has_map else None, new_win)
+    return MemoryState(params_end, new_opt_state, acc_end if retention.has_map else None, carry.window)
+
+
+def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_inputs, cotangents):
+    """o_t = M_{θ_t}(φ(q_t)) for the chunk's steps without forming θ_t (the module docstring's
+    layer-by-layer product); steps that read the chunk-end state (``reads_end``) read ``params_end``."""
+    queries = terms.queries
+
+    def read(key, h):
+        y = terms.from_start[:, None] * (h @ params0[key])
+        if terms.state_carry is not None:
+            y = y + terms.state_carry[:, None] * (h @ momentum0[key])
+        # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
+        gram = terms.first_gram if (terms.first_gram is not None and h is queries) else h @ layer_inputs[key].T
+        return y + (terms.state_rows * gram) @ cotangents[key]
+
+    outputs = spec.memory.apply_linear(queries, read)
+    if spec.retention.has_map or inner_opt.info(spec.optimizer).kind == "muon":
+        outputs = jnp.where((terms.reads_end > 0)[:, None], spec.memory.apply(params_end, queries), outputs)
+    return outputs
+
+
+def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
+    """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out]).
+
+    With ``features`` the steps carry raw k and scale·q, and φ is formed here, chunk-locally."""
+    terms = chunk_terms(spec, opt_info, features, xc, carry.window)
+    layer_inputs, cotangents = source_pass(spec, carry.params, terms)
+    new_state = chunk_end(spec, opt_info, carry, terms, layer_inputs, cotangents)
+    momentum0 = None if terms.momentum_rows is None else carry.opt_state.momentum
+    outputs = chunk_read(spec, carry.params, momentum0, new_state.params, terms, layer_inputs, cotangents)
+    new_state = new_state._replace(window=terms.next_window)
     # Whole chunks of padding (added to fill the last rematerialisation group) leave the state alone.
-    any_real = jnp.any(active > 0)
+    any_real = jnp.any(xc.active > 0)
     new_state = jax.tree.map(lambda new, old: jnp.where(any_real, new, old), new_state, carry)
     return new_state, outputs
 
@@ -278,16 +335,64 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
 
-    chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, features, carry, xc))
     if per_group == 1:
         chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
-        final, outputs = jax.lax.scan(chunk, state, chunks)
+        final, outputs = _split_sequence(spec, opt_info, features, state, chunks)
     else:   # two levels of rematerialisation: an outer scan over groups, the inner scan checkpointed
+        chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, features, carry, xc))
         grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group, b) + x.shape[1:]), padded)
         group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
         final, outputs = jax.lax.scan(group, state, grouped)
     outputs = outputs.reshape((n_groups * per_group * b,) + outputs.shape[-1:])
     return final, outputs if pad == 0 else outputs[:total]
+
+
+def _entering_windows(spec, win0: WindowCache, chunks: Steps, features) -> WindowCache:
+    """The Omega window cache entering every chunk, [N, c − 1, ·] each: the c − 1 steps before the
+    chunk, from the sequence (φ applied to just these rows) or, before its start, the initial cache."""
+    c = spec.window
+    n_chunks, b = chunks.active.shape[:2]
+    position = jnp.arange(n_chunks)[:, None] * b - (c - 1) + jnp.arange(c - 1)[None, :]   # [N, c − 1]
+    in_sequence = position >= 0
+    seq_index, cache_index = jnp.maximum(position, 0), jnp.maximum(position + c - 1, 0)
+    flat = lambda x: x.reshape((n_chunks * b,) + x.shape[2:])
+
+    def pick(from_sequence, cached):
+        mask = in_sequence.reshape(in_sequence.shape + (1,) * (from_sequence.ndim - 2))
+        return jnp.where(mask, from_sequence, cached[cache_index])
+
+    raw_inputs = flat(chunks.inputs)[seq_index]
+    inputs = pick(raw_inputs if features is None else features(raw_inputs), win0.inputs)
+    delta = (jnp.broadcast_to(win0.delta, (n_chunks,) + win0.delta.shape) if chunks.delta is None
+             else pick(flat(chunks.delta)[seq_index], win0.delta))
+    return WindowCache(inputs, pick(flat(chunks.targets)[seq_index], win0.targets),
+                       pick(flat(chunks.gates * chunks.active)[seq_index], win0.weights), delta)
+
+
+def _split_sequence(spec, opt_info, features, state: MemoryState, chunks: Steps):
+    """The dual form with every chunk's state kept ([N] chunks of b steps, state per chunk within
+    the boundary budget): what does not read θ for all chunks at once, then the sequential pass that
+    carries θ (and the momentum) from chunk to chunk — a source pass and the chunk-end update only —
+    then every chunk's reads at once from its start and end states. The sequential part is a few
+    matmuls per chunk; the reads, most of the work, run as batched matmuls over all chunks."""
+    windows = None if state.window is None else _entering_windows(spec, state.window, chunks, features)
+    terms = jax.vmap(lambda xc, win: chunk_terms(spec, opt_info, features, xc, win))(chunks, windows)
+
+    def step(carry, chunk_terms_):
+        layer_inputs, cotangents = source_pass(spec, carry.params, chunk_terms_)
+        return chunk_end(spec, opt_info, carry, chunk_terms_, layer_inputs, cotangents), carry
+
+    final, starts = jax.lax.scan(jax.checkpoint(step), state._replace(window=None), terms)
+    ends = jax.tree.map(lambda s, f: jnp.concatenate([s[1:], f[None]]), starts.params, final.params)
+
+    def read(start: MemoryState, params_end, chunk_terms_):
+        layer_inputs, cotangents = source_pass(spec, start.params, chunk_terms_)
+        momentum0 = None if chunk_terms_.momentum_rows is None else start.opt_state.momentum
+        return chunk_read(spec, start.params, momentum0, params_end, chunk_terms_, layer_inputs, cotangents)
+
+    outputs = jax.vmap(read)(starts, ends, terms)
+    window = None if windows is None else jax.tree.map(lambda x: x[-1], terms.next_window)
+    return final._replace(window=window), outputs
 
 
 def state_bytes(spec, *, d_k: int, d_v: int, heads: int = 1) -> dict:
