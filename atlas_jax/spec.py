@@ -46,8 +46,9 @@ import optax
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.features import FeatureMap, Identity
 from atlas_jax.kernels.delta_family.support import check_chunk_size
-from atlas_jax.forms.chunked import (chunked_sequence, exact_chunked, is_exact, is_omega_exact, omega_chunked,
-                                    omega_impl)
+from atlas_jax.forms.chunked import (chunked_sequence, deep_kernel_covers, deep_kernel_route, exact_chunked,
+                                    is_exact, is_omega_exact, omega_chunked, omega_impl)
+from atlas_jax.forms.dual import dual_batched_kernel
 from atlas_jax.forms.common import Features, MemoryState, Steps, WindowCache
 from atlas_jax.forms.recurrent import recurrent_sequence
 from atlas_jax.memory import LinearMemory, MemoryArch
@@ -125,9 +126,12 @@ class MemorySpec:
     @property
     def has_kernel(self) -> bool:
         """impl="pallas" covers the spec: the exact delta family with the ℓ2 objective (the delta
-        write; the dot objective's linear attention has no kernel), and the exact Omega rule on a
-        linear memory (``is_omega_exact``: the Omega kernels through ``ops.omega_linear``)."""
-        return (is_exact(self) and isinstance(self.objective, L2)) or is_omega_exact(self)
+        write; the dot objective's linear attention has no kernel), the exact Omega rule on a
+        linear memory (``is_omega_exact``: the Omega kernels through ``ops.omega_linear``), and the
+        chunk-start form of a depth-2 MLP memory whose sequential pass the deep-memory kernel runs
+        (``forms.chunked.deep_kernel_covers``; a call whose sizes it does not take says why)."""
+        return ((is_exact(self) and isinstance(self.objective, L2)) or is_omega_exact(self)
+                or deep_kernel_covers(self))
 
     # ---- state ---------------------------------------------------------------------------
     def init_state(self, key, *, batch: int, heads: int, d_k: int, d_v: int, params=None) -> MemoryState:
@@ -353,6 +357,7 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         omega_route = omega_impl(spec, impl, spec.feature_dim(q.shape[-1]))
     omega_path = omega_route is not None
     as_given = exact_path and q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating)
+    low_precision = q.dtype == k.dtype == jnp.bfloat16
     if not as_given:
         q, k, v = map(f32, (q, k, v))
     beta, g, nu, gamma, delta = map(f32, (beta, g, nu, gamma, delta))
@@ -422,7 +427,13 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         pad = (-total) % chunk_size
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
         run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features)
-    final, o = jax.vmap(jax.vmap(run_one))(state, padded)
+    if impl != "recurrent" and deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size,
+                                                 features=features):
+        # The dual form with its sequential pass on the deep-memory kernel (bf16 dots for bf16 inputs).
+        final, o = dual_batched_kernel(spec, state, padded, chunk_size=chunk_size, features=features,
+                                       low_precision=low_precision)
+    else:
+        final, o = jax.vmap(jax.vmap(run_one))(state, padded)
     if impl != "recurrent" and spec.window > 1:
         final = final._replace(window=_last_window(state.window, bhs, spec.window, features))
     o = jnp.moveaxis(o[:, :, :total], 1, 2)  # [B, S, H, V]

@@ -51,7 +51,7 @@ def build(name):
     return presets.get(preset, **options)
 
 
-def inputs(spec, B, T, H, D, seed=0):
+def inputs(spec, B, T, H, D, seed=0, dtype="float32"):
     import jax
     import jax.numpy as jnp
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
@@ -66,15 +66,21 @@ def inputs(spec, B, T, H, D, seed=0):
         knobs["gamma"] = jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H)))
     state = spec.init_state(ks[7], batch=B, heads=H, d_k=D, d_v=D)
     cotangent = jax.random.normal(ks[7], (B, T, H, D))
-    return q, k, v, knobs, state, cotangent
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    return q, k, v, knobs, state, cotangent.astype(dtype)
 
 
-def fwdbwd_fn(spec, chunk):
+def forward_fn(spec, chunk, impl="chunk"):
+    def forward(q, k, v, knobs, params, state):
+        return spec(q, k, v, **knobs, initial_state=state._replace(params=params), impl=impl,
+                    chunk_size=chunk)[0]
+    return forward
+
+
+def fwdbwd_fn(spec, chunk, impl="chunk"):
     import jax
 
-    def forward(q, k, v, knobs, params, state):
-        return spec(q, k, v, **knobs, initial_state=state._replace(params=params), impl="chunk",
-                    chunk_size=chunk)[0]
+    forward = forward_fn(spec, chunk, impl)
 
     def fwdbwd(q, k, v, knobs, state, cotangent):
         out, pullback = jax.vjp(lambda *a: forward(*a, state), q, k, v, knobs, state.params)
@@ -88,16 +94,23 @@ def _is_oom(error) -> bool:
     return any(word in text for word in ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory"))
 
 
-def measure_ours(name, B, T, H, D, chunk, compile_only, reps):
-    """Compiles (and unless ``compile_only`` times) one entry's forward+backward."""
+def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtype="float32"):
+    """Compiles (and unless ``compile_only`` times) one entry's forward+backward, and its forward."""
     import jax
     from atlas_jax.forms import chunked
 
     spec = build(name)
-    args = inputs(spec, B, T, H, D)
+    args = inputs(spec, B, T, H, D, dtype=dtype)
     one = jax.tree.map(lambda x: x[0, 0], args[4])
     row = {"dual_form": chunked.runs_dual_form(spec, one, _steps(spec, args), chunk_size=chunk)}
-    f = fwdbwd_fn(spec, chunk)
+    if not compile_only:
+        forward = jax.jit(forward_fn(spec, chunk, impl))
+        fwd_args = args[:4] + (args[4].params, args[4])
+        try:
+            row["fwd_ms"] = time_jax(forward, *fwd_args, reps=reps)
+        except Exception as error:   # the forward alone is extra information: keep going
+            row["fwd_error"] = repr(error)[:200]
+    f = fwdbwd_fn(spec, chunk, impl)
     t = time.perf_counter()
     compiled = f.lower(*args).compile()
     row["compile_s"] = time.perf_counter() - t
@@ -184,7 +197,7 @@ def worker(a):
     """One entry in this process: prints ``ROW {json}``."""
     B, T, H, D = a.shape
     row = {"entry": a.worker, "form": "materialising" if a.reference else "auto (dual where covered)",
-           "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk}
+           "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk, "impl": a.impl, "dtype": a.dtype}
     try:
         if a.worker == TORCH_ENTRY:
             row["form"] = "titans-pytorch"
@@ -198,7 +211,7 @@ def worker(a):
                 with chunked.materialising():
                     row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps))
             else:
-                row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps))
+                row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps, a.impl, a.dtype))
     except ImportError as error:
         row["error"] = f"not installed: {error}"[:200]
     except Exception as error:   # out of memory on the device: report it and go on
@@ -206,14 +219,14 @@ def worker(a):
     print("ROW " + json.dumps(row, default=str), flush=True)
 
 
-def _run_entry(a, name, reference):
+def _run_entry(a, name, reference, impl="chunk", dtype="float32"):
     command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--shape", ",".join(map(str, a.shape)),
-               "--chunk", str(a.chunk), "--reps", str(a.reps)]
+               "--chunk", str(a.chunk), "--reps", str(a.reps), "--impls", impl, "--dtypes", dtype]
     command += ["--reference"] * reference + ["--compile-only"] * a.compile_only
     command += ["--root", a.root] if a.root else []
     B, T, H, D = a.shape
     fallback = {"entry": name, "form": "materialising" if reference else "auto (dual where covered)",
-                "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk}
+                "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk, "impl": impl, "dtype": dtype}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=a.timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -232,8 +245,9 @@ def _fmt(value, spec):
 
 def markdown(rows, header) -> str:
     lines = [f"# Deep memories, forward+backward ({header})", "",
-             "| entry | form | B, T, H, D | chunk | fwd+bwd ms | tokens/s | peak GiB | compiled total GiB | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| entry | form | impl | dtype | B, T, H, D | chunk | fwd ms | fwd+bwd ms | tokens/s | peak GiB | "
+             "compiled total GiB | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         label = ENTRIES[r["entry"]][2] if r["entry"] in ENTRIES else r["entry"]
         form = r["form"]
@@ -242,8 +256,10 @@ def markdown(rows, header) -> str:
         elif r.get("dual_form") is False and form.startswith("auto"):
             form = "materialising"
         note = r.get("error", "")
-        lines.append(f"| {label} | {form} | {r['B']}, {r['T']}, {r['H']}, {r['D']} | {r['chunk']} | "
-                     f"{_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
+        impl, dtype = ("—", "bf16 autocast") if r["entry"] == TORCH_ENTRY else (r.get("impl", "chunk"),
+                                                                                 r.get("dtype", "float32"))
+        lines.append(f"| {label} | {form} | {impl} | {dtype} | {r['B']}, {r['T']}, {r['H']}, {r['D']} | {r['chunk']} | "
+                     f"{_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
                      f"{_fmt(r.get('peak_GiB'), '.3g')} | {_fmt(r.get('compiled_total_GiB'), '.3g')} | {note} |")
     return "\n".join(lines) + "\n"
 
@@ -258,6 +274,10 @@ def main(argv=None):
                         help=f"B,T,H,D {','.join(map(str, TINY_SHAPE))}, chunk {TINY_CHUNK}, 2 reps: checks the script on CPU")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--reference", action="store_true", help="also run the materialising chunked form")
+    parser.add_argument("--impls", nargs="+", default=["chunk"], choices=["chunk", "pallas", "auto"],
+                        help="MemorySpec impl of our entries, one row each (pallas: the deep-memory kernel)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="dtype of q, k, v (bfloat16: the kernel's dots take bf16 operands)")
     parser.add_argument("--compile-only", action="store_true", help="XLA's memory analysis, no run")
     parser.add_argument("--timeout", type=int, default=240,
                         help="seconds per entry (default 240: the device tool allows 600 s per command)")
@@ -269,18 +289,23 @@ def main(argv=None):
         a.shape, a.chunk, a.reps = a.shape or TINY_SHAPE, a.chunk or TINY_CHUNK, min(a.reps, 2)
     a.shape, a.chunk = a.shape or (4, 4096, 8, 128), a.chunk or 64
     if a.worker:
+        a.impl, a.dtype = a.impls[0], a.dtypes[0]
         return worker(a)
 
     B, T, H, D = a.shape
     log(f"B{B} T{T} H{H} D{D} chunk {a.chunk}: {', '.join(a.presets)}")
     rows = []
     for name in a.presets:
-        for reference in ((False, True) if a.reference and name != TORCH_ENTRY else (False,)):
-            row = _run_entry(a, name, reference)
+        variants = [(False, "chunk", "float32")] if name == TORCH_ENTRY else [
+            (False, impl, dtype) for impl in a.impls for dtype in a.dtypes]
+        if a.reference and name != TORCH_ENTRY:
+            variants.append((True, "chunk", "float32"))
+        for reference, impl, dtype in variants:
+            row = _run_entry(a, name, reference, impl, dtype)
             rows.append(row)
             log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     devices = sorted({r["device"] for r in rows if r.get("device")})
-    header = f"{', '.join(devices) or 'device unknown'}, float32 (titans-pytorch: bf16 autocast on GPU)"
+    header = f"{', '.join(devices) or 'device unknown'}"
     table = markdown(rows, header)
     log(table)
     save_json(rows, a.out, "deep_memory.json")

@@ -47,8 +47,8 @@ from atlas_jax.memory import LinearMemory
 from atlas_jax.retention import decay_tree
 from atlas_jax.objectives import L2, Dot
 
-__all__ = ["is_exact", "is_omega_exact", "chunked_sequence", "exact_chunked", "omega_chunked",
-           "omega_impl", "runs_dual_form"]
+__all__ = ["is_exact", "is_omega_exact", "chunked_sequence", "deep_kernel_covers", "deep_kernel_route",
+           "exact_chunked", "omega_chunked", "omega_impl", "runs_dual_form"]
 
 _PARALLEL_KINDS = ("gd", "momentum", "muon", "implicit_gd")
 
@@ -349,6 +349,40 @@ def runs_dual_form(spec, state: MemoryState, steps: Steps, *, chunk_size: int, d
     if _FORM == "materialising" or not dual.covers(spec, state, steps, d_in=d_in):
         return False
     return _FORM == "dual" or _chunk_state_bytes(state, chunk_size) >= DUAL_FORM_MIN_BYTES
+
+
+def deep_kernel_covers(spec) -> bool:
+    """Whether the deep-memory state-pass kernel (``ops.deep_memory``) runs ``spec``'s dual form
+    at some sizes (``deep_kernel_route`` decides for a call's sizes)."""
+    from atlas_jax.ops.deep_memory import kernel_covers
+
+    kind = inner_opt.info(spec.optimizer).kind
+    decoupled = spec.retention.decay == "none" or spec.retention.decoupled
+    probe = jax.eval_shape(lambda: spec.memory.init(jax.random.PRNGKey(0), 4, 4))
+    from atlas_jax.forms.dual import _memory_has_linear_layers
+    return (kernel_covers(spec, kind, 4, 4, decoupled) is None
+            and _memory_has_linear_layers(spec.memory, probe, 4))
+
+
+def deep_kernel_route(spec, state: MemoryState, steps: Steps, *, impl: str, chunk_size: int,
+                      features=None) -> bool:
+    """Whether a MemorySpec call ([B, H, S, ...] steps, padded) runs the dual form on the
+    deep-memory kernel: impl "pallas" whenever the kernel takes the call (else NotImplementedError
+    saying why), "auto" on GPU where the dual form runs and the kernel takes it."""
+    from atlas_jax.forms import dual
+
+    if impl not in ("pallas", "auto") or not deep_kernel_covers(spec) or _FORM == "materialising":
+        return False
+    one = jax.tree.map(lambda x: x[0, 0], (state, steps))
+    d_in = None if features is None else features.output_dim(steps.inputs.shape[-1])
+    gap = dual.kernel_gap(spec, *one, chunk_size=chunk_size, d_in=d_in)
+    if impl == "pallas":
+        if gap is not None:
+            raise NotImplementedError(f"MemorySpec: impl='pallas': the deep-memory kernel does not take "
+                                      f"{gap}; use impl='chunk' or 'auto'")
+        return True
+    return (gap is None and jax.default_backend() in ("gpu", "cuda", "rocm")
+            and runs_dual_form(spec, *one, chunk_size=chunk_size, d_in=d_in))
 
 
 def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None):

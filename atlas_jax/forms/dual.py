@@ -56,7 +56,8 @@ from atlas_jax.forms.common import (
     safe_log,
 )
 
-__all__ = ["BOUNDARY_BYTES_PER_TOKEN", "GROUP_TOKENS", "covers", "dual_sequence", "state_bytes"]
+__all__ = ["BOUNDARY_BYTES_PER_TOKEN", "GROUP_TOKENS", "covers", "dual_batched_kernel", "dual_sequence",
+           "kernel_gap", "keeps_every_chunk_state", "state_bytes"]
 
 # The backward pass keeps the state (θ and the optimizer state) at every chunk boundary while that
 # costs at most BOUNDARY_BYTES_PER_TOKEN per token (per sequence and head: titans at D = 128 and
@@ -321,21 +322,18 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
     ``features`` (a ``common.Features``): the steps' inputs and queries are the raw k and scale·q,
     and φ is formed chunk by chunk (what the backward pass keeps is then d wide, not d_φ)."""
     opt_info = inner_opt.info(spec.optimizer)
-    if boundary_bytes_per_token is None:
-        boundary_bytes_per_token = BOUNDARY_BYTES_PER_TOKEN
     b = chunk_size
     total = steps.active.shape[0]
     n_chunks = total // b
-    carried = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state.params, state.opt_state, state.accumulator)))
     per_group = 1
-    if carried > b * boundary_bytes_per_token:
+    if not keeps_every_chunk_state(state, b, boundary_bytes_per_token):
         n_groups = -(-n_chunks // max(1, GROUP_TOKENS // b))
         per_group = -(-n_chunks // n_groups)   # balanced groups: fewer than n_groups chunks of padding
     n_groups = -(-n_chunks // per_group)
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
 
-    if per_group == 1:
+    if per_group == 1:   # every chunk's state is kept: the split form
         chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
         final, outputs = _split_sequence(spec, opt_info, features, state, chunks)
     else:   # two levels of rematerialisation: an outer scan over groups, the inner scan checkpointed
@@ -369,20 +367,23 @@ def _entering_windows(spec, win0: WindowCache, chunks: Steps, features) -> Windo
                        pick(flat(chunks.gates * chunks.active)[seq_index], win0.weights), delta)
 
 
-def _split_sequence(spec, opt_info, features, state: MemoryState, chunks: Steps):
-    """The dual form with every chunk's state kept ([N] chunks of b steps, state per chunk within
-    the boundary budget): what does not read θ for all chunks at once, then the sequential pass that
-    carries θ (and the momentum) from chunk to chunk — a source pass and the chunk-end update only —
-    then every chunk's reads at once from its start and end states. The sequential part is a few
-    matmuls per chunk; the reads, most of the work, run as batched matmuls over all chunks."""
+def _split_terms(spec, opt_info, features, state: MemoryState, chunks: Steps):
+    """What does not read θ, for every chunk of one sequence at once (leaves [N, ...])."""
     windows = None if state.window is None else _entering_windows(spec, state.window, chunks, features)
-    terms = jax.vmap(lambda xc, win: chunk_terms(spec, opt_info, features, xc, win))(chunks, windows)
+    return jax.vmap(lambda xc, win: chunk_terms(spec, opt_info, features, xc, win))(chunks, windows)
 
+
+def _state_pass_xla(spec, opt_info, state: MemoryState, terms: ChunkTerms):
+    """The sequential part for one sequence: (final state, every chunk's start state [N, ...])."""
     def step(carry, chunk_terms_):
         layer_inputs, cotangents = source_pass(spec, carry.params, chunk_terms_)
         return chunk_end(spec, opt_info, carry, chunk_terms_, layer_inputs, cotangents), carry
 
-    final, starts = jax.lax.scan(jax.checkpoint(step), state._replace(window=None), terms)
+    return jax.lax.scan(jax.checkpoint(step), state._replace(window=None), terms)
+
+
+def _split_reads(spec, starts: MemoryState, final: MemoryState, terms: ChunkTerms):
+    """Every chunk's outputs [N, b, d_out] from its start and end states (chunk-parallel)."""
     ends = jax.tree.map(lambda s, f: jnp.concatenate([s[1:], f[None]]), starts.params, final.params)
 
     def read(start: MemoryState, params_end, chunk_terms_):
@@ -390,8 +391,85 @@ def _split_sequence(spec, opt_info, features, state: MemoryState, chunks: Steps)
         momentum0 = None if chunk_terms_.momentum_rows is None else start.opt_state.momentum
         return chunk_read(spec, start.params, momentum0, params_end, chunk_terms_, layer_inputs, cotangents)
 
-    outputs = jax.vmap(read)(starts, ends, terms)
-    window = None if windows is None else jax.tree.map(lambda x: x[-1], terms.next_window)
+    return jax.vmap(read)(starts, ends, terms)
+
+
+def _split_sequence(spec, opt_info, features, state: MemoryState, chunks: Steps):
+    """The dual form with every chunk's state kept ([N] chunks of b steps, state per chunk within
+    the boundary budget): what does not read θ for all chunks at once, then the sequential pass that
+    carries θ (and the momentum) from chunk to chunk — a source pass and the chunk-end update only —
+    then every chunk's reads at once from its start and end states. The sequential part is a few
+    matmuls per chunk; the reads, most of the work, run as batched matmuls over all chunks."""
+    terms = _split_terms(spec, opt_info, features, state, chunks)
+    final, starts = _state_pass_xla(spec, opt_info, state, terms)
+    outputs = _split_reads(spec, starts, final, terms)
+    window = None if state.window is None else jax.tree.map(lambda x: x[-1], terms.next_window)
+    return final._replace(window=window), outputs
+
+
+def keeps_every_chunk_state(state: MemoryState, chunk_size: int, boundary_bytes_per_token=None) -> bool:
+    """Whether the dual form keeps every chunk's state (one sequence and head's ``state``): the
+    split form, whose sequential pass a kernel can run; else chunks are grouped (fused form)."""
+    budget = BOUNDARY_BYTES_PER_TOKEN if boundary_bytes_per_token is None else boundary_bytes_per_token
+    carried = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state.params, state.opt_state, state.accumulator)))
+    return carried <= chunk_size * budget
+
+
+def kernel_gap(spec, state: MemoryState, steps: Steps, *, chunk_size: int, d_in: int | None = None) -> str | None:
+    """Why the state-pass kernel (``ops.deep_memory``) cannot run the dual form of these steps (one
+    sequence and head), or None when it can."""
+    from atlas_jax.ops.deep_memory import kernel_covers
+
+    if not covers(spec, state, steps, d_in=d_in):
+        return "a spec outside the dual form"
+    if not keeps_every_chunk_state(state, chunk_size):
+        return "a state too large to keep per chunk (the grouped form)"
+    opt_info = inner_opt.info(spec.optimizer)
+    decoupled = spec.retention.decay == "none" or steps.log_decay is None or spec.retention.decoupled
+    d_out = steps.targets.shape[-1]
+    return kernel_covers(spec, opt_info.kind, d_in or steps.inputs.shape[-1], d_out, decoupled)
+
+
+def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
+                        low_precision: bool = False, interpret=None):
+    """The split dual form for [B, H, S, ...] steps (padded to a multiple of ``chunk_size``) with
+    its sequential pass on the state-pass kernel (``ops.deep_memory.mlp_state_pass``, impl
+    "pallas"); ``kernel_gap`` must be None. ``low_precision``: the kernel's dots take bf16
+    operands (float32 accumulation). Returns (final state [B, H, ...], outputs [B, H, S, d_out])."""
+    from atlas_jax.ops.deep_memory import MLPStates, mlp_state_pass
+
+    opt_info = inner_opt.info(spec.optimizer)
+    b = chunk_size
+    n_chunks = steps.active.shape[2] // b
+    chunks = jax.tree.map(lambda x: x.reshape(x.shape[:2] + (n_chunks, b) + x.shape[3:]), steps)
+    vmap2 = lambda f: jax.vmap(jax.vmap(f))
+    terms = vmap2(lambda st, xc: _split_terms(spec, opt_info, features, st, xc))(state, chunks)
+
+    momentum = terms.momentum_rows is not None
+    m = state.opt_state.momentum if momentum else None
+    first = MLPStates(state.params["W0"], state.params["W1"], None if m is None else m["W0"],
+                      None if m is None else m["W1"])
+    end = lambda x: None if x is None else x[..., -1]
+    a = terms.src_inputs.astype(jnp.bfloat16) if low_precision else terms.src_inputs
+    starts_k, final_k = mlp_state_pass(
+        first, a, terms.src_targets, terms.state_rows[..., -1, :], terms.momentum_rows,
+        terms.from_start[..., -1], end(terms.state_carry), terms.momentum_carry,
+        activation=spec.memory.activation, residual=spec.memory.residual, impl="pallas",
+        interpret=interpret)
+
+    def as_state(k, like: MemoryState) -> MemoryState:
+        params = {"W0": k.w0, "W1": k.w1}
+        opt_state = like.opt_state if not momentum else inner_opt.MomentumState({"W0": k.m0, "W1": k.m1})
+        return MemoryState(params, opt_state, None, None)
+
+    starts = as_state(starts_k, state)
+    if not momentum:   # the optimizer's state does not change; give it the chunk axis the reads expect
+        starts = starts._replace(opt_state=jax.tree.map(
+            lambda x: jnp.broadcast_to(x[:, :, None], x.shape[:2] + (n_chunks,) + x.shape[2:]), state.opt_state))
+    final = as_state(final_k, state)
+    outputs = vmap2(lambda st, fi, tm: _split_reads(spec, st, fi, tm))(starts, final, terms)
+    window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
+    outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])
     return final._replace(window=window), outputs
 
 

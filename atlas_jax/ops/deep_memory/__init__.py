@@ -1,0 +1,21 @@
+"""The deep memories' sequential chunk pass (the dual form's θ-carrying part) as one op.
+
+`mlp_state_pass` carries a depth-2 MLP memory's weights (and momentum) from chunk to chunk of the
+chunk-start-gradient form: per chunk a forward pass of the chunk's gradient sources at the chunk's
+start θ, the output residual's cotangents, and the chunk-end update, one outer-product sum per
+weight. impl="chunk" is a lax.scan in XLA (the reference); impl="pallas" the Pallas kernel
+(`atlas_jax.kernels.deep_memory`, interpret mode on CPU). `atlas_jax.forms.dual` builds its
+operands (the chunk-parallel coefficients) and reads every chunk from the states it returns.
+"""
+
+from atlas_jax.ops.deep_memory.state_pass import (
+    IMPLS,
+    MLPStates,
+    kernel_covers,
+    mlp_chunk_step,
+    mlp_state_pass,
+    mlp_state_pass_reference,
+)
+
+__all__ = ["IMPLS", "MLPStates", "kernel_covers", "mlp_chunk_step", "mlp_state_pass",
+           "mlp_state_pass_reference"]

@@ -1,0 +1,322 @@
+"""A depth-2 MLP memory's sequential chunk pass as a Pallas GPU kernel (Triton lowering).
+
+The math is `atlas_jax.ops.deep_memory.state_pass` (its module docstring): per chunk a forward
+pass of the chunk's gradient sources at the start state, the ℓ2 residual, the first layer's
+cotangents and the chunk-end update of W0, W1 (and the momentum m0, m1). One program per
+(batch·head) walks the N chunks in a `fori_loop`; the hidden width h is tiled (``block_hidden``
+columns of W0 / rows of W1 at a time), in two sweeps per chunk: the first sums Y = σ(a W0) W1 over
+the tiles, the second, with E = Y − targets known, forms each tile's cotangents and writes its
+updated weights. The states live in the output buffer of every chunk's start state ([N + 1] slots
+per program, slot n + 1 written while chunk n reads slot n, a CTA barrier between chunks), which
+the backward pass and the dual form's chunk-parallel reads need anyway; a state [d, h] does not fit
+a program's registers or shared memory at the sizes users train (titans: 2 × 128 × 512 float32
+weights plus the momentum, 1 MiB per head).
+
+Backward: `jax.custom_vjp`; the reverse pass over chunks runs in XLA from the kept start states
+(`mlp_chunk_step`'s VJP, chunk by chunk in reverse), so the kernel is the forward pass only.
+
+Precision: bf16 sources (``a`` in bf16) take bf16 tensor-core dots with float32 accumulation;
+float32 sources take the delta family's float32-accurate dots (six bf16 dots of split operands,
+`gpu_math.mm`). States, coefficients and every accumulation are float32. GELU is the exact (erf)
+one, with erf from Abramowitz–Stegun 7.1.26 (absolute error below 1.5e-7: the Triton lowering has
+no erf).
+
+Verification: interpret mode on CPU against the XLA reference (tests/test_deep_memory_kernel.py);
+the `gpu`-marked test compiles it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt, mm_tn
+from atlas_jax.ops.deep_memory.state_pass import MLPStates, mlp_chunk_step
+
+__all__ = ["MLPGpuBlockSizes", "mlp_state_pass_gpu"]
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+_FN = "mlp_state_pass_gpu"
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _is_int(x):
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
+
+
+def _next_pow2(n, least=16):
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPGpuBlockSizes:
+    """block_hidden: hidden columns per tile (a power of two >= 16 dividing h padded to a power
+    of two; None: min(h, 64)). num_warps: warps per program."""
+    block_hidden: int | None = None
+    num_warps: int = 8
+
+    def resolve(self, h):
+        return dataclasses.replace(self, block_hidden=min(h, 64) if self.block_hidden is None
+                                   else self.block_hidden)
+
+    def check(self, h):
+        b = self.block_hidden
+        if not _is_int(b) or b < 16 or b & (b - 1) or h % b:
+            raise ValueError(f"{_FN}: argument `block_sizes.block_hidden` must be a power of two >= 16 "
+                             f"dividing the hidden width {h} (padded to a power of two); got {b!r}.")
+        w = self.num_warps
+        if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
+            raise ValueError(f"{_FN}: argument `block_sizes.num_warps` must be a power of two from 1 "
+                             f"to 32; got {w!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    n_chunks: int
+    hidden: int
+    block_hidden: int
+    momentum: bool
+    residual: bool
+    activation: str
+    low: bool
+    num_warps: int
+    interpret: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations with their derivatives, from operations the Triton lowering has
+
+
+def _erf(x):
+    # Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7).
+    t = 1.0 / (1.0 + 0.3275911 * jnp.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    y = 1.0 - poly * jnp.exp(-x * x)
+    return jnp.where(x < 0, -y, y)
+
+
+def _act_and_grad(name, z):
+    """(σ(z), σ'(z)) in float32."""
+    if name == "gelu":
+        cdf = 0.5 * (1.0 + _erf(z * _SQRT_HALF))
+        pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * z * z)
+        return z * cdf, cdf + z * pdf
+    if name == "silu":
+        s = 1.0 / (1.0 + jnp.exp(-z))
+        return z * s, s * (1.0 + z * (1.0 - s))
+    if name == "tanh":
+        t = jnp.tanh(z)
+        return t, 1.0 - t * t
+    return z, jnp.ones_like(z)   # identity
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+
+
+def _scalar(ref, i):
+    """Element i of a per-chunk [N] ref as a [1, 1] value (Triton tiles are at least 1-D)."""
+    return load_f32(ref, pl.ds(i, 1))[None, :]
+
+
+def _kernel(r, cfg: _Cfg):
+    low, bt = cfg.low, cfg.block_hidden
+    tiles = [pl.ds(j * bt, bt) for j in range(cfg.hidden // bt)]
+    names = ("w0", "w1", "m0", "m1") if cfg.momentum else ("w0", "w1")
+
+    def barrier():
+        if not cfg.interpret:   # interpret mode runs a program's statements in order
+            plgpu.debug_barrier()
+
+    # Slot 0 of the start states is the initial state.
+    for cols in tiles:
+        for name in names:
+            idx = (slice(None), cols) if name in ("w0", "m0") else (cols, slice(None))
+            r["s_" + name][(0,) + idx] = load_f32(r[name], idx)
+    barrier()
+
+    def operand(x):
+        return x if low else x.astype(F32)
+
+    def chunk(i, carry):
+        a = operand(r["a"][i, :, :])                         # [n, d]
+        targets = load_f32(r["t"], (i, slice(None), slice(None)))
+        rows = load_f32(r["rows"], (i, slice(None)))[:, None]  # [n, 1]
+        decay = _scalar(r["decay"], i)
+
+        def tile_weights(slot, cols):
+            return (load_f32(r["s_w0"], (slot, slice(None), cols)),
+                    load_f32(r["s_w1"], (slot, cols, slice(None))))
+
+        y = a.astype(F32) if cfg.residual else jnp.zeros(targets.shape, F32)
+        for cols in tiles:                                   # Y = σ(a W0) W1, tile by tile
+            w0, w1 = tile_weights(i, cols)
+            hidden, _ = _act_and_grad(cfg.activation, mm(a, w0, low))
+            y = y + mm(hidden, w1, low)
+        e = y - targets
+        row_e = rows * e
+        if cfg.momentum:
+            mrows = load_f32(r["mrows"], (i, slice(None)))[:, None]
+            mrow_e = mrows * e
+            carry_end, momentum_carry = _scalar(r["carry"], i), _scalar(r["mcarry"], i)
+        for cols in tiles:                                   # cotangents and the chunk-end update
+            w0, w1 = tile_weights(i, cols)
+            hidden, slope = _act_and_grad(cfg.activation, mm(a, w0, low))
+            d0 = mm_nt(e, w1, low) * slope                   # [n, bt]
+            new_w0 = decay * w0 + mm_tn(a, operand(rows * d0), low)
+            new_w1 = decay * w1 + mm_tn(operand(hidden), operand(row_e), low)
+            if cfg.momentum:
+                m0 = load_f32(r["s_m0"], (i, slice(None), cols))
+                m1 = load_f32(r["s_m1"], (i, cols, slice(None)))
+                new_w0 = new_w0 + carry_end * m0
+                new_w1 = new_w1 + carry_end * m1
+                r["s_m0"][i + 1, :, cols] = momentum_carry * m0 + mm_tn(a, operand(mrows * d0), low)
+                r["s_m1"][i + 1, cols, :] = momentum_carry * m1 + mm_tn(operand(hidden), operand(mrow_e), low)
+            r["s_w0"][i + 1, :, cols] = new_w0
+            r["s_w1"][i + 1, cols, :] = new_w1
+        barrier()
+        return carry
+
+    lax.fori_loop(0, cfg.n_chunks, chunk, 0)
+
+
+def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarry):
+    """Operands on the kernel layout ([BH, N, ...], states [BH, ...], padded); returns the start
+    states [BH, N + 1, ...] (slot N: the final state)."""
+    BH, N, n, d = a.shape
+    h, dv = state.w0.shape[-1], state.w1.shape[-1]
+    seq = lambda *rest: pl.BlockSpec((None, N) + rest, lambda b: (b,) + (0,) * (len(rest) + 1))
+    slots = lambda *rest: pl.BlockSpec((None, N + 1) + rest, lambda b: (b,) + (0,) * (len(rest) + 1))
+    whole = lambda *rest: pl.BlockSpec((None,) + rest, lambda b: (b,) + (0,) * len(rest))
+    ins = [("a", a, seq(n, d)), ("t", t, seq(n, dv)), ("rows", rows, seq(n)), ("decay", decay, seq()),
+           ("w0", state.w0, whole(d, h)), ("w1", state.w1, whole(h, dv))]
+    outs = [("s_w0", (d, h)), ("s_w1", (h, dv))]
+    if cfg.momentum:
+        ins += [("mrows", mrows, seq(n)), ("carry", carry, seq()), ("mcarry", mcarry, seq()),
+                ("m0", state.m0, whole(d, h)), ("m1", state.m1, whole(h, dv))]
+        outs += [("s_m0", (d, h)), ("s_m1", (h, dv))]
+    names = [x[0] for x in ins] + [x[0] for x in outs]
+
+    def kernel(*refs):
+        _kernel(dict(zip(names, refs)), cfg)
+
+    res = pl.pallas_call(
+        kernel, grid=(BH,),
+        in_specs=[x[2] for x in ins], out_specs=[slots(*shape) for _, shape in outs],
+        out_shape=[jax.ShapeDtypeStruct((BH, N + 1) + shape, F32) for _, shape in outs],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        interpret=cfg.interpret, name="mlp_state_pass",
+    )(*[x[1] for x in ins])
+    return MLPStates(*res)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry: padding, layout, custom VJP
+
+
+def _pad_to(x, shape):
+    if x is None:
+        return None
+    return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
+    return _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
+
+
+def _core_fwd(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
+    slots = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
+    return slots, (slots, a, t, rows, mrows, decay, carry, mcarry)
+
+
+def _core_bwd(cfg, res, d_slots):
+    """The reverse pass in XLA: chunk by chunk from the last, the VJP of `mlp_chunk_step` at the
+    kept start state, plus the cotangent each start state receives directly."""
+    slots, a, t, rows, mrows, decay, carry, mcarry = res
+    N = a.shape[1]
+    starts = jax.tree.map(lambda x: None if x is None else x[:, :N], slots)
+    d_starts = jax.tree.map(lambda x: None if x is None else x[:, :N], d_slots)
+    d_final = jax.tree.map(lambda x: None if x is None else x[:, N], d_slots)
+    xs = (a, t, rows, mrows, decay, carry, mcarry)
+
+    def one(start, xs_, d_start, d_last):
+        def body(d_next, chunk):
+            st, d_st, operands = chunk
+            step = lambda s, *ops: mlp_chunk_step(s, *ops, activation=cfg.activation,
+                                                  residual=cfg.residual)
+            _, pullback = jax.vjp(step, st, *operands)
+            d_state, *d_ops = pullback(d_next)
+            d_state = jax.tree.map(jnp.add, d_state, d_st)
+            return d_state, tuple(d_ops)
+
+        d_first, d_ops = lax.scan(body, d_last, (start, d_start, xs_), reverse=True)
+        return d_first, d_ops
+
+    f32 = lambda x: None if x is None else x.astype(F32)
+    d_first, d_ops = jax.vmap(one)(starts, tuple(map(f32, xs)), d_starts, d_final)
+    d_ops = tuple(None if x is None else g.astype(x.dtype) for g, x in zip(d_ops, xs))
+    return (d_first,) + d_ops
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def default_interpret():
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _run(state, a, t, rows, mrows, decay, carry, mcarry, *, cfg):
+    B, H, N, n, d = a.shape
+    h, dv = state.w0.shape[-1], state.w1.shape[-1]
+    np_, dp, hp, vp = (_next_pow2(x) for x in (n, d, h, dv))
+
+    def flat(x, *tail):
+        return None if x is None else _pad_to(x.reshape((B * H,) + x.shape[2:]), (B * H,) + tail)
+
+    f32 = lambda x: None if x is None else x.astype(F32)
+    st = MLPStates(flat(f32(state.w0), dp, hp), flat(f32(state.w1), hp, vp),
+                   flat(f32(state.m0), dp, hp), flat(f32(state.m1), hp, vp))
+    slots = _core(cfg, st, flat(a, N, np_, dp), flat(f32(t), N, np_, vp), flat(f32(rows), N, np_),
+                  flat(f32(mrows), N, np_), flat(f32(decay), N), flat(f32(carry), N), flat(f32(mcarry), N))
+
+    def unflat(x, rows_, cols):
+        return None if x is None else x.reshape((B, H, N + 1) + x.shape[2:])[..., :rows_, :cols]
+
+    slots = MLPStates(unflat(slots.w0, d, h), unflat(slots.w1, h, dv),
+                      unflat(slots.m0, d, h), unflat(slots.m1, h, dv))
+    starts = jax.tree.map(lambda x: x[:, :, :N], slots)
+    final = jax.tree.map(lambda x: x[:, :, N], slots)
+    return starts, final
+
+
+def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_end, carry_end,
+                       momentum_carry, *, activation: str, residual: bool, interpret=None,
+                       block_sizes=None):
+    """`atlas_jax.ops.deep_memory.mlp_state_pass` on the Pallas GPU kernel (arguments checked
+    there). Returns (starts [B, H, N, ...], final [B, H, ...]) as MLPStates, float32."""
+    bs = MLPGpuBlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(bs, MLPGpuBlockSizes):
+        raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPGpuBlockSizes; got "
+                        f"{type(bs).__name__}.")
+    hp = _next_pow2(state.w0.shape[-1])
+    bs = bs.resolve(hp)
+    bs.check(hp)
+    if a.dtype not in (F32, BF16):
+        raise TypeError(f"{_FN}: argument `a` must be float32 or bfloat16; got {a.dtype}.")
+    cfg = _Cfg(n_chunks=int(a.shape[2]), hidden=hp, block_hidden=bs.block_hidden,
+               momentum=state.m0 is not None, residual=bool(residual), activation=activation,
+               low=a.dtype == BF16, num_warps=bs.num_warps,
+               interpret=bool(default_interpret() if interpret is None else interpret))
+    return _run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, cfg=cfg)

@@ -1,0 +1,206 @@
+"""The deep-memory state-pass kernel (atlas_jax.kernels.deep_memory, issue 21 item 2).
+
+The dual form of a depth-2 MLP memory splits into chunk-parallel coefficients, a sequential pass
+carrying θ (and the momentum) from chunk to chunk, and chunk-parallel reads; the kernel runs the
+sequential pass. Checked here on CPU, Pallas interpret mode:
+(a) the op `mlp_state_pass` with impl="pallas" equals its XLA reference (impl="chunk") for every
+    chunk's start state, the final state and the gradients of every argument: momentum or none,
+    the identity residual or none, GELU / SiLU, an odd number of sources per chunk (padded);
+(b) whole MemorySpec calls with impl="pallas" equal impl="chunk" (the dual form in XLA) for
+    outputs, final states and gradients of q, k, v, every knob and θ₀: titans (momentum inside the
+    step, decoupled decay), ttt_mlp (GD, no decay) and a residual MLP with an Omega window; odd T;
+(c) the kernel lowers to Triton for CUDA (export, no GPU needed); routing and errors.
+`gpu`-marked tests compile it on a GPU.
+
+Tolerance: 1e-5 relative (‖a − b‖ / ‖b‖) in float32: both sides are float32 with the same order
+of operations up to the kernel's split-operand dots and its erf (|error| < 1.5e-7); seen: 1e-7 to
+5e-7. bf16 operands: 2e-2 (bf16 rounding of the sources and the weights in every dot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import rel, tree_rel
+
+from atlas_jax import objectives, optimizers, presets, retention
+from atlas_jax.features import Identity
+from atlas_jax.forms import chunked
+from atlas_jax.memory import MLPMemory
+from atlas_jax.ops.deep_memory import MLPStates, mlp_state_pass
+from atlas_jax.spec import MemorySpec
+
+TOL = 1e-5
+
+
+def _operands(seed, *, momentum, B=1, H=2, N=3, n=11, d=8, h=32, dv=8, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 12)
+    w = lambda key, *s: jax.random.normal(key, s) / jnp.sqrt(s[-2])
+    state = MLPStates(w(ks[0], B, H, d, h), w(ks[1], B, H, h, dv),
+                      *((0.1 * w(ks[2], B, H, d, h), 0.1 * w(ks[3], B, H, h, dv)) if momentum else ()))
+    a = jax.random.normal(ks[4], (B, H, N, n, d)) / jnp.sqrt(d)
+    t = jax.random.normal(ks[5], (B, H, N, n, dv))
+    rows = -0.2 * jax.random.uniform(ks[6], (B, H, N, n))
+    decay = jax.random.uniform(ks[7], (B, H, N), minval=0.5, maxval=1.0)
+    extra = (None, None, None)
+    if momentum:
+        extra = (-0.3 * jax.random.uniform(ks[8], (B, H, N, n)),
+                 jax.random.uniform(ks[9], (B, H, N), minval=-1.0, maxval=1.0),
+                 jax.random.uniform(ks[10], (B, H, N), minval=0.1, maxval=0.9))
+    return state, a.astype(dtype), t, rows, extra[0], decay, extra[1], extra[2]
+
+
+def _states_and_grads(impl, args, *, activation, residual):
+    probe = jax.random.normal(jax.random.PRNGKey(99), (4096,))
+
+    def loss(*x):
+        starts, final = mlp_state_pass(*x, activation=activation, residual=residual, impl=impl)
+        leaves = jax.tree.leaves((starts, final))
+        total = sum(jnp.sum(l * probe[:l.size].reshape(l.shape) if l.size <= 4096 else l) for l in leaves)
+        return total, (starts, final)
+
+    argnums = tuple(i for i, x in enumerate(args) if x is not None)
+    grads, out = jax.grad(loss, argnums=argnums, has_aux=True)(*args)
+    return out, grads
+
+
+@pytest.mark.parametrize("momentum,residual,activation", [
+    (True, False, "gelu"), (False, True, "silu"), (True, True, "gelu")])
+def test_kernel_equals_reference_states_and_gradients(momentum, residual, activation):
+    args = _operands(1, momentum=momentum)
+    want = _states_and_grads("chunk", args, activation=activation, residual=residual)
+    got = _states_and_grads("pallas", args, activation=activation, residual=residual)
+    (starts, final), (starts_r, final_r) = got[0], want[0]
+    assert tree_rel(starts, starts_r) <= TOL and tree_rel(final, final_r) <= TOL
+    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
+        assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
+
+
+def test_kernel_bf16_sources():
+    args = _operands(2, momentum=True, dtype=jnp.bfloat16)
+    ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
+    starts, final = mlp_state_pass(*args, activation="gelu", impl="pallas")
+    starts_r, final_r = mlp_state_pass(*ref_args, activation="gelu", impl="chunk")
+    assert tree_rel(final, final_r) <= 2e-2 and tree_rel(starts, starts_r) <= 2e-2
+
+
+def _window_spec():
+    return MemorySpec(MLPMemory(2, 16, residual=True), Identity(), objectives.L2(), 3, optimizers.gd(),
+                      retention.scalar(decoupled=True), "residual_window")
+
+
+SPECS = {"titans": lambda: presets.get("titans", hidden=16), "ttt_mlp": lambda: presets.get("ttt_mlp", hidden=16),
+         "residual_window": _window_spec}
+
+
+def _spec_inputs(spec, seed, B=1, T=37, H=2, K=8, V=8):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 9)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    knobs = {"beta": 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))}
+    if spec.retention.needs_gate:
+        knobs["g"] = jax.nn.log_sigmoid(2.0 + jax.random.normal(ks[4], (B, T, H)))
+    if spec.opt_kind == "momentum":
+        knobs["nu"] = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H)))
+    if spec.window > 1:
+        knobs["gamma"] = jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H)))
+    state = spec.init_state(ks[7], batch=B, heads=H, d_k=K, d_v=V)
+    if spec.opt_kind == "momentum":   # a state mid-sequence
+        state = state._replace(opt_state=jax.tree.map(lambda x: x + 0.1, state.opt_state))
+    return q, k, v, knobs, state
+
+
+def _spec_run(spec, impl, args, chunk=16):
+    q, k, v, knobs, state = args
+    probe = jax.random.normal(jax.random.PRNGKey(7), v.shape)
+
+    def loss(q, k, v, knobs, params):
+        o, final = spec(q, k, v, **knobs, initial_state=state._replace(params=params), output_final_state=True,
+                        impl=impl, chunk_size=chunk)
+        total = jnp.sum(o * probe) + sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves((final.params, final.opt_state)))
+        return total, (o, final)
+
+    grads, (o, final) = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, knobs, state.params)
+    return o, final, grads
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_memory_spec_on_the_kernel_equals_the_dual_form(name):
+    spec = SPECS[name]()
+    assert spec.has_kernel
+    args = _spec_inputs(spec, 3)
+    with chunked.dual_form():
+        o_r, f_r, g_r = _spec_run(spec, "chunk", args)
+        o, f, g = _spec_run(spec, "pallas", args)
+    assert rel(o, o_r) <= TOL
+    assert tree_rel(f, f_r) <= TOL
+    for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
+        assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
+
+
+def test_routing_and_errors():
+    assert not presets.get("atlas").has_kernel and not presets.get("moneta").has_kernel
+    skip_map = dataclasses.replace(presets.get("omeganet", hidden=16), window=1)   # φ widens: a skip map
+    assert skip_map.has_kernel
+    q, k, v, knobs, state = _spec_inputs(skip_map, 4, T=20, K=4, V=4)
+    with pytest.raises(NotImplementedError, match="skip map"):
+        skip_map(q, k, v, **knobs, initial_state=state, impl="pallas", chunk_size=16)
+    args = _operands(5, momentum=False)
+    with pytest.raises(ValueError, match="rows"):
+        mlp_state_pass(args[0], args[1], args[2], args[3][..., :-1], impl="pallas")
+    with pytest.raises(ValueError, match="impl"):
+        mlp_state_pass(*args, impl="fast")
+
+
+def test_kernel_lowers_to_triton_for_cuda():
+    export = pytest.importorskip("jax.export")
+    state, a, t, rows, mrows, decay, carry, mcarry = _operands(6, momentum=True, B=2, H=2, N=3, n=64, d=128,
+                                                                h=512, dv=128, dtype=jnp.bfloat16)
+    run = functools.partial(mlp_state_pass, activation="gelu", impl="pallas", interpret=False)
+
+    def loss(state, a):
+        starts, final = run(state, a, t, rows, mrows, decay, carry, mcarry)
+        return sum(jnp.sum(x) for x in jax.tree.leaves((starts, final)))
+
+    exp = export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(state, a)
+    assert exp.mlir_module().count("xla.gpu.triton") == 1
+
+
+# ---- compiled on a GPU ----------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("momentum,residual,dtype", [(True, False, jnp.float32), (False, True, jnp.float32),
+                                                     (True, False, jnp.bfloat16)])
+def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    jax.config.update("jax_default_matmul_precision", "highest")   # the XLA reference in float32, not TF32
+    args = _operands(8, momentum=momentum, B=2, H=3, N=5, n=64, d=128, h=512, dv=128, dtype=dtype)
+    ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
+    got = _states_and_grads("pallas", args, activation="gelu", residual=residual)
+    want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual)
+    tol = TOL if dtype == jnp.float32 else 2e-2
+    assert tree_rel(got[0], want[0]) <= tol, tree_rel(got[0], want[0])
+    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
+        assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
+
+
+@pytest.mark.gpu
+def test_gpu_titans_spec_on_the_kernel_equals_the_dual_form():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    spec = presets.get("titans")
+    args = _spec_inputs(spec, 9, B=2, T=300, H=2, K=128, V=128)
+    with chunked.dual_form():
+        o_r, f_r, g_r = _spec_run(spec, "chunk", args, chunk=64)
+        o, f, g = _spec_run(spec, "pallas", args, chunk=64)
+    assert rel(o, o_r) <= TOL and tree_rel(f, f_r) <= TOL
+    for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
+        assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
