@@ -2,19 +2,23 @@
 
 The dual form of a depth-2 MLP memory splits into chunk-parallel coefficients, a sequential pass
 carrying θ (and the momentum) from chunk to chunk, and chunk-parallel reads; the kernel runs the
-sequential pass. Checked here on CPU, Pallas interpret mode:
-(a) the op `mlp_state_pass` with impl="pallas" equals its XLA reference (impl="chunk") for every
-    chunk's start state, the final state and the gradients of every argument: momentum or none,
-    the identity residual or none, GELU / SiLU, an odd number of sources per chunk (padded);
+sequential pass. Checked here on CPU, in Pallas interpret mode (the GPU kernel) and TPU interpret
+mode (the TPU kernel):
+(a) the op `mlp_state_pass` with impl="pallas", on either kernel (kernel="gpu" / "tpu"), equals its
+    XLA reference (impl="chunk") for every chunk's start state, the final state and the gradients
+    of every argument: momentum or none, the identity residual or none, GELU / SiLU / tanh, an odd
+    number of sources per chunk and sizes off the tiles (padded); bf16 sources;
 (b) whole MemorySpec calls with impl="pallas" equal impl="chunk" (the dual form in XLA) for
     outputs, final states and gradients of q, k, v, every knob and θ₀: titans (momentum inside the
     step, decoupled decay), ttt_mlp (GD, no decay) and a residual MLP with an Omega window; odd T;
-(c) the kernel lowers to Triton for CUDA (export, no GPU needed); routing and errors.
+(c) the kernels lower for their hardware without it (export): Triton for CUDA, Mosaic for TPU;
+    routing and errors.
 `gpu`-marked tests compile it on a GPU.
 
 Tolerance: 1e-5 relative (‖a − b‖ / ‖b‖) in float32: both sides are float32 with the same order
-of operations up to the kernel's split-operand dots and its erf (|error| < 1.5e-7); seen: 1e-7 to
-5e-7. bf16 operands: 2e-2 (bf16 rounding of the sources and the weights in every dot).
+of operations up to the GPU kernel's split-operand dots and its erf (|error| < 1.5e-7), the TPU
+kernel's HIGHEST-precision dots and lax.erf; seen: 1e-7 to 5e-7. bf16 operands: 2e-2 (bf16
+rounding of the sources and the weights in every dot).
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from helpers import rel, tree_rel
 from atlas_jax import objectives, optimizers, presets, retention
 from atlas_jax.features import Identity
 from atlas_jax.forms import chunked
+from atlas_jax.kernels.deep_memory import MLPGpuBlockSizes, MLPTpuBlockSizes
 from atlas_jax.memory import MLPMemory
 from atlas_jax.ops.deep_memory import MLPStates, mlp_state_pass
 from atlas_jax.spec import MemorySpec
 
 TOL = 1e-5
+KERNELS = ("gpu", "tpu")
 
 
 def _operands(seed, *, momentum, B=1, H=2, N=3, n=11, d=8, h=32, dv=8, dtype=jnp.float32):
@@ -54,11 +60,12 @@ def _operands(seed, *, momentum, B=1, H=2, N=3, n=11, d=8, h=32, dv=8, dtype=jnp
     return state, a.astype(dtype), t, rows, extra[0], decay, extra[1], extra[2]
 
 
-def _states_and_grads(impl, args, *, activation, residual):
+def _states_and_grads(impl, args, *, activation, residual, kernel=None):
     probe = jax.random.normal(jax.random.PRNGKey(99), (4096,))
 
     def loss(*x):
-        starts, final = mlp_state_pass(*x, activation=activation, residual=residual, impl=impl)
+        starts, final = mlp_state_pass(*x, activation=activation, residual=residual, impl=impl,
+                                       kernel=kernel)
         leaves = jax.tree.leaves((starts, final))
         total = sum(jnp.sum(l * probe[:l.size].reshape(l.shape) if l.size <= 4096 else l) for l in leaves)
         return total, (starts, final)
@@ -68,22 +75,24 @@ def _states_and_grads(impl, args, *, activation, residual):
     return out, grads
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("momentum,residual,activation", [
-    (True, False, "gelu"), (False, True, "silu"), (True, True, "gelu")])
-def test_kernel_equals_reference_states_and_gradients(momentum, residual, activation):
+    (True, False, "gelu"), (False, True, "silu"), (True, True, "gelu"), (False, False, "tanh")])
+def test_kernel_equals_reference_states_and_gradients(momentum, residual, activation, kernel):
     args = _operands(1, momentum=momentum)
     want = _states_and_grads("chunk", args, activation=activation, residual=residual)
-    got = _states_and_grads("pallas", args, activation=activation, residual=residual)
+    got = _states_and_grads("pallas", args, activation=activation, residual=residual, kernel=kernel)
     (starts, final), (starts_r, final_r) = got[0], want[0]
     assert tree_rel(starts, starts_r) <= TOL and tree_rel(final, final_r) <= TOL
     for index, (g, g_r) in enumerate(zip(got[1], want[1])):
         assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
 
 
-def test_kernel_bf16_sources():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_bf16_sources(kernel):
     args = _operands(2, momentum=True, dtype=jnp.bfloat16)
     ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
-    starts, final = mlp_state_pass(*args, activation="gelu", impl="pallas")
+    starts, final = mlp_state_pass(*args, activation="gelu", impl="pallas", kernel=kernel)
     starts_r, final_r = mlp_state_pass(*ref_args, activation="gelu", impl="chunk")
     assert tree_rel(final, final_r) <= 2e-2 and tree_rel(starts, starts_r) <= 2e-2
 
@@ -156,21 +165,47 @@ def test_routing_and_errors():
         mlp_state_pass(args[0], args[1], args[2], args[3][..., :-1], impl="pallas")
     with pytest.raises(ValueError, match="impl"):
         mlp_state_pass(*args, impl="fast")
+    with pytest.raises(ValueError, match=r"argument `kernel` must be one of \('gpu', 'tpu'\)"):
+        mlp_state_pass(*args, impl="pallas", kernel="cuda")
+    with pytest.raises(TypeError, match="MLPTpuBlockSizes"):
+        mlp_state_pass(*args, impl="pallas", kernel="tpu", block_sizes=MLPGpuBlockSizes())
+    with pytest.raises(ValueError, match="vmem_limit_bytes"):
+        mlp_state_pass(*args, impl="pallas", kernel="tpu", block_sizes=MLPTpuBlockSizes(-1))
 
 
-def test_kernel_lowers_to_triton_for_cuda():
+def _export(kernel, dtype, momentum, n=64, d=128, h=512, dv=128):
+    """How many kernel calls the exported forward + backward holds (Triton for CUDA, Mosaic for TPU)."""
     export = pytest.importorskip("jax.export")
-    state, a, t, rows, mrows, decay, carry, mcarry = _operands(6, momentum=True, B=2, H=2, N=3, n=64, d=128,
-                                                                h=512, dv=128, dtype=jnp.bfloat16)
-    run = functools.partial(mlp_state_pass, activation="gelu", impl="pallas", interpret=False)
+    state, a, t, rows, mrows, decay, carry, mcarry = _operands(6, momentum=momentum, B=2, H=2, N=3, n=n, d=d,
+                                                                h=h, dv=dv, dtype=dtype)
+    run = functools.partial(mlp_state_pass, activation="gelu", residual=d == dv, impl="pallas", kernel=kernel,
+                            interpret=False)
 
     def loss(state, a):
         starts, final = run(state, a, t, rows, mrows, decay, carry, mcarry)
         return sum(jnp.sum(x) for x in jax.tree.leaves((starts, final)))
 
-    exp = export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(state, a)
-    assert exp.mlir_module().count("xla.gpu.triton") == 1
+    if kernel == "gpu":
+        platform, checks, marker = "cuda", [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")], \
+            "xla.gpu.triton"
+    else:
+        platform, checks, marker = "tpu", [], "tpu_custom_call"
+    exp = export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=[platform], disabled_checks=checks)(state, a)
+    return exp.mlir_module().count(marker)
+
+
+def test_kernel_lowers_to_triton_for_cuda():
+    assert _export("gpu", jnp.bfloat16, True) == 1
+
+
+@pytest.mark.parametrize("dtype,momentum,sizes", [
+    (jnp.float32, True, (64, 128, 512, 128)), (jnp.bfloat16, True, (64, 128, 512, 128)),
+    (jnp.float32, False, (40, 64, 200, 96))], ids=["f32_titans", "bf16_titans", "f32_odd_sizes"])
+def test_kernel_lowers_to_mosaic_for_tpu(dtype, momentum, sizes):
+    """The TPU kernel (forward; the backward is XLA) lowers to one Mosaic call: (8, 128)-legal
+    blocks after padding (d 64, h 200, dv 96 pad to 128, 256, 128) and every op in the body."""
+    n, d, h, dv = sizes
+    assert _export("tpu", dtype, momentum, n=n, d=d, h=h, dv=dv) == 1
 
 
 # ---- compiled on a GPU ----------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """Pallas kernels for the deep memories' sequential chunk pass (the dual form's θ-carrying part).
 
-GPU (Pallas, Triton lowering): `gpu.py` (`mlp_state_pass_gpu`, `MLPGpuBlockSizes`). The public op
-is `atlas_jax.ops.deep_memory.mlp_state_pass(..., impl="pallas")`, which loads this at trace time.
+GPU (Pallas, Triton lowering): `gpu.py` (`mlp_state_pass_gpu`, `MLPGpuBlockSizes`). TPU (Pallas,
+Mosaic): `tpu.py` (`mlp_state_pass_tpu`, `MLPTpuBlockSizes`). What both share (activations,
+padding, layout, the custom VJP with its XLA reverse pass): `support.py`. The public op is
+`atlas_jax.ops.deep_memory.mlp_state_pass(..., impl="pallas", kernel=None)`, which loads these
+at trace time.
 """
 
 # Imported lazily: importing this package must not pull in Pallas.
-_EXPORTS = {"mlp_state_pass_gpu": "gpu", "MLPGpuBlockSizes": "gpu"}
+_EXPORTS = {"mlp_state_pass_gpu": "gpu", "MLPGpuBlockSizes": "gpu",
+            "mlp_state_pass_tpu": "tpu", "MLPTpuBlockSizes": "tpu"}
 
 
 def __getattr__(name):

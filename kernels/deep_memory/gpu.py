@@ -12,14 +12,16 @@ the backward pass and the dual form's chunk-parallel reads need anyway; a state 
 a program's registers or shared memory at the sizes users train (titans: 2 × 128 × 512 float32
 weights plus the momentum, 1 MiB per head).
 
-Backward: `jax.custom_vjp`; the reverse pass over chunks runs in XLA from the kept start states
-(`mlp_chunk_step`'s VJP, chunk by chunk in reverse), so the kernel is the forward pass only.
+Backward: `jax.custom_vjp` (`support.state_pass_vjp`, shared with the TPU kernel); the reverse
+pass over chunks runs in XLA from the kept start states (`mlp_chunk_step`'s VJP, chunk by chunk in
+reverse), so the kernel is the forward pass only. Padding (to powers of two) and its exactness:
+`support.py`.
 
 Precision: bf16 sources (``a`` in bf16) take bf16 tensor-core dots with float32 accumulation;
 float32 sources take the delta family's float32-accurate dots (six bf16 dots of split operands,
 `gpu_math.mm`). States, coefficients and every accumulation are float32. GELU is the exact (erf)
-one, with erf from Abramowitz–Stegun 7.1.26 (absolute error below 1.5e-7: the Triton lowering has
-no erf).
+one, with erf from Abramowitz–Stegun 7.1.26 (`support.erf_as`, absolute error below 1.5e-7: the
+Triton lowering has no erf).
 
 Verification: interpret mode on CPU against the XLA reference (tests/test_deep_memory_kernel.py);
 the `gpu`-marked test compiles it.
@@ -28,30 +30,21 @@ the `gpu`-marked test compiles it.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from atlas_jax.kernels.deep_memory import support
+from atlas_jax.kernels.deep_memory.support import F32, act_and_grad, is_int
 from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt, mm_tn
-from atlas_jax.ops.deep_memory.state_pass import MLPStates, mlp_chunk_step
+from atlas_jax.ops.deep_memory.state_pass import MLPStates
 
 __all__ = ["MLPGpuBlockSizes", "mlp_state_pass_gpu"]
 
-F32, BF16 = jnp.float32, jnp.bfloat16
 _FN = "mlp_state_pass_gpu"
-_SQRT_HALF = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-
-def _is_int(x):
-    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
 
 
 def _next_pow2(n, least=16):
@@ -71,53 +64,20 @@ class MLPGpuBlockSizes:
 
     def check(self, h):
         b = self.block_hidden
-        if not _is_int(b) or b < 16 or b & (b - 1) or h % b:
+        if not is_int(b) or b < 16 or b & (b - 1) or h % b:
             raise ValueError(f"{_FN}: argument `block_sizes.block_hidden` must be a power of two >= 16 "
                              f"dividing the hidden width {h} (padded to a power of two); got {b!r}.")
         w = self.num_warps
-        if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
+        if not is_int(w) or w < 1 or w > 32 or w & (w - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.num_warps` must be a power of two from 1 "
                              f"to 32; got {w!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cfg:
-    n_chunks: int
+class _Cfg(support.PassCfg):
     hidden: int
     block_hidden: int
-    momentum: bool
-    residual: bool
-    activation: str
-    low: bool
     num_warps: int
-    interpret: bool
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations with their derivatives, from operations the Triton lowering has
-
-
-def _erf(x):
-    # Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7).
-    t = 1.0 / (1.0 + 0.3275911 * jnp.abs(x))
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    y = 1.0 - poly * jnp.exp(-x * x)
-    return jnp.where(x < 0, -y, y)
-
-
-def _act_and_grad(name, z):
-    """(σ(z), σ'(z)) in float32."""
-    if name == "gelu":
-        cdf = 0.5 * (1.0 + _erf(z * _SQRT_HALF))
-        pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * z * z)
-        return z * cdf, cdf + z * pdf
-    if name == "silu":
-        s = 1.0 / (1.0 + jnp.exp(-z))
-        return z * s, s * (1.0 + z * (1.0 - s))
-    if name == "tanh":
-        t = jnp.tanh(z)
-        return t, 1.0 - t * t
-    return z, jnp.ones_like(z)   # identity
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +121,7 @@ def _kernel(r, cfg: _Cfg):
         y = a.astype(F32) if cfg.residual else jnp.zeros(targets.shape, F32)
         for cols in tiles:                                   # Y = σ(a W0) W1, tile by tile
             w0, w1 = tile_weights(i, cols)
-            hidden, _ = _act_and_grad(cfg.activation, mm(a, w0, low))
+            hidden, _ = act_and_grad(cfg.activation, mm(a, w0, low))
             y = y + mm(hidden, w1, low)
         e = y - targets
         row_e = rows * e
@@ -171,7 +131,7 @@ def _kernel(r, cfg: _Cfg):
             carry_end, momentum_carry = _scalar(r["carry"], i), _scalar(r["mcarry"], i)
         for cols in tiles:                                   # cotangents and the chunk-end update
             w0, w1 = tile_weights(i, cols)
-            hidden, slope = _act_and_grad(cfg.activation, mm(a, w0, low))
+            hidden, slope = act_and_grad(cfg.activation, mm(a, w0, low))
             d0 = mm_nt(e, w1, low) * slope                   # [n, bt]
             new_w0 = decay * w0 + mm_tn(a, operand(rows * d0), low)
             new_w1 = decay * w1 + mm_tn(operand(hidden), operand(row_e), low)
@@ -192,7 +152,7 @@ def _kernel(r, cfg: _Cfg):
 
 def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarry):
     """Operands on the kernel layout ([BH, N, ...], states [BH, ...], padded); returns the start
-    states [BH, N + 1, ...] (slot N: the final state)."""
+    states [BH, N, ...] and the final state [BH, ...] (the kernel's slots 0..N - 1 and N)."""
     BH, N, n, d = a.shape
     h, dv = state.w0.shape[-1], state.w1.shape[-1]
     seq = lambda *rest: pl.BlockSpec((None, N) + rest, lambda b: (b,) + (0,) * (len(rest) + 1))
@@ -217,88 +177,18 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=cfg.interpret, name="mlp_state_pass",
     )(*[x[1] for x in ins])
-    return MLPStates(*res)
+    return MLPStates(*(x[:, :N] for x in res)), MLPStates(*(x[:, N] for x in res))
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry: padding, layout, custom VJP
+# Entry: padding, layout, custom VJP (support.py)
 
 
-def _pad_to(x, shape):
-    if x is None:
-        return None
-    return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
-    return _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
-
-
-def _core_fwd(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
-    slots = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
-    return slots, (slots, a, t, rows, mrows, decay, carry, mcarry)
-
-
-def _core_bwd(cfg, res, d_slots):
-    """The reverse pass in XLA: chunk by chunk from the last, the VJP of `mlp_chunk_step` at the
-    kept start state, plus the cotangent each start state receives directly."""
-    slots, a, t, rows, mrows, decay, carry, mcarry = res
-    N = a.shape[1]
-    starts = jax.tree.map(lambda x: None if x is None else x[:, :N], slots)
-    d_starts = jax.tree.map(lambda x: None if x is None else x[:, :N], d_slots)
-    d_final = jax.tree.map(lambda x: None if x is None else x[:, N], d_slots)
-    xs = (a, t, rows, mrows, decay, carry, mcarry)
-
-    def one(start, xs_, d_start, d_last):
-        def body(d_next, chunk):
-            st, d_st, operands = chunk
-            step = lambda s, *ops: mlp_chunk_step(s, *ops, activation=cfg.activation,
-                                                  residual=cfg.residual)
-            _, pullback = jax.vjp(step, st, *operands)
-            d_state, *d_ops = pullback(d_next)
-            d_state = jax.tree.map(jnp.add, d_state, d_st)
-            return d_state, tuple(d_ops)
-
-        d_first, d_ops = lax.scan(body, d_last, (start, d_start, xs_), reverse=True)
-        return d_first, d_ops
-
-    f32 = lambda x: None if x is None else x.astype(F32)
-    d_first, d_ops = jax.vmap(one)(starts, tuple(map(f32, xs)), d_starts, d_final)
-    d_ops = tuple(None if x is None else g.astype(x.dtype) for g, x in zip(d_ops, xs))
-    return (d_first,) + d_ops
-
-
-_core.defvjp(_core_fwd, _core_bwd)
+_run = support.jitted_pass(_forward)
 
 
 def default_interpret():
     return jax.default_backend() not in ("gpu", "cuda", "rocm")
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _run(state, a, t, rows, mrows, decay, carry, mcarry, *, cfg):
-    B, H, N, n, d = a.shape
-    h, dv = state.w0.shape[-1], state.w1.shape[-1]
-    np_, dp, hp, vp = (_next_pow2(x) for x in (n, d, h, dv))
-
-    def flat(x, *tail):
-        return None if x is None else _pad_to(x.reshape((B * H,) + x.shape[2:]), (B * H,) + tail)
-
-    f32 = lambda x: None if x is None else x.astype(F32)
-    st = MLPStates(flat(f32(state.w0), dp, hp), flat(f32(state.w1), hp, vp),
-                   flat(f32(state.m0), dp, hp), flat(f32(state.m1), hp, vp))
-    slots = _core(cfg, st, flat(a, N, np_, dp), flat(f32(t), N, np_, vp), flat(f32(rows), N, np_),
-                  flat(f32(mrows), N, np_), flat(f32(decay), N), flat(f32(carry), N), flat(f32(mcarry), N))
-
-    def unflat(x, rows_, cols):
-        return None if x is None else x.reshape((B, H, N + 1) + x.shape[2:])[..., :rows_, :cols]
-
-    slots = MLPStates(unflat(slots.w0, d, h), unflat(slots.w1, h, dv),
-                      unflat(slots.m0, d, h), unflat(slots.m1, h, dv))
-    starts = jax.tree.map(lambda x: x[:, :, :N], slots)
-    final = jax.tree.map(lambda x: x[:, :, N], slots)
-    return starts, final
 
 
 def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_end, carry_end,
@@ -313,10 +203,9 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
     hp = _next_pow2(state.w0.shape[-1])
     bs = bs.resolve(hp)
     bs.check(hp)
-    if a.dtype not in (F32, BF16):
-        raise TypeError(f"{_FN}: argument `a` must be float32 or bfloat16; got {a.dtype}.")
-    cfg = _Cfg(n_chunks=int(a.shape[2]), hidden=hp, block_hidden=bs.block_hidden,
-               momentum=state.m0 is not None, residual=bool(residual), activation=activation,
-               low=a.dtype == BF16, num_warps=bs.num_warps,
+    cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
+               block_hidden=bs.block_hidden, num_warps=bs.num_warps,
                interpret=bool(default_interpret() if interpret is None else interpret))
-    return _run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, cfg=cfg)
+    padded = tuple(_next_pow2(x) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
+    return _run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
+                cfg=cfg, padded=padded)

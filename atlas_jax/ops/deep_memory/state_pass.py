@@ -27,6 +27,7 @@ from atlas_jax.memory import ACTIVATIONS, MLPMemory
 from atlas_jax.objectives import L2
 
 IMPLS = ("chunk", "pallas")
+KERNELS = ("gpu", "tpu")
 # Activations the kernel evaluates itself (with their first and second derivatives).
 KERNEL_ACTIVATIONS = ("gelu", "silu", "tanh", "identity")
 
@@ -120,14 +121,21 @@ def mlp_state_pass_reference(state: MLPStates, a, targets, rows, momentum_rows=N
 
 def mlp_state_pass(state: MLPStates, a, targets, rows, momentum_rows=None, decay_end=None,
                    carry_end=None, momentum_carry=None, *, activation: str = "gelu",
-                   residual: bool = False, impl: str = "chunk", interpret=None, block_sizes=None):
+                   residual: bool = False, impl: str = "chunk", kernel=None, interpret=None,
+                   block_sizes=None):
     """The sequential pass (module docstring) for every sequence and head; see
-    `mlp_state_pass_reference` for the arguments. impl="chunk": the XLA scan; "pallas": the Pallas
-    kernel (GPU Triton lowering; interpret mode on CPU), differentiable in every array argument.
-    a may be bf16 (the kernel's dots then take bf16 operands, float32 accumulation); states,
-    coefficients and every accumulation are float32."""
+    `mlp_state_pass_reference` for the arguments. impl="chunk": the XLA scan; "pallas": a Pallas
+    kernel, differentiable in every array argument: kernel="gpu" (Triton lowering,
+    `atlas_jax.kernels.deep_memory.gpu`), "tpu" (Mosaic, `...deep_memory.tpu`) or None ("tpu" on
+    a TPU backend, "gpu" elsewhere); interpret and block_sizes go to that kernel (interpret None:
+    interpret mode off the kernel's own backend). a may be bf16 (the kernel's dots then take
+    bf16 operands, float32 accumulation); states, coefficients and every accumulation are
+    float32."""
     if impl not in IMPLS:
         raise ValueError(f"mlp_state_pass: argument `impl` must be one of {IMPLS}; got {impl!r}.")
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"mlp_state_pass: argument `kernel` must be one of {KERNELS} or None; got "
+                         f"{kernel!r}.")
     if decay_end is None:
         decay_end = jnp.ones(a.shape[:3], jnp.float32)
     _check(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, activation,
@@ -138,10 +146,21 @@ def mlp_state_pass(state: MLPStates, a, targets, rows, momentum_rows=None, decay
     if activation not in KERNEL_ACTIVATIONS:
         raise NotImplementedError(f"mlp_state_pass: impl='pallas' evaluates the activations "
                                   f"{KERNEL_ACTIVATIONS}; got {activation!r}. Use impl='chunk'.")
+    if kernel is None:
+        kernel = "tpu" if jax.default_backend() == "tpu" else "gpu"
+    return _state_pass_kernel(kernel)(state, a, targets, rows, momentum_rows, decay_end, carry_end,
+                                      momentum_carry, activation=activation, residual=residual,
+                                      interpret=interpret, block_sizes=block_sizes)
+
+
+def _state_pass_kernel(kernel):
+    """The kernel entry for `kernel` ("gpu": Triton lowering, "tpu": Mosaic), imported here, at
+    trace time (importing the op loads no Pallas)."""
+    if kernel == "tpu":
+        from atlas_jax.kernels.deep_memory.tpu import mlp_state_pass_tpu
+        return mlp_state_pass_tpu
     from atlas_jax.kernels.deep_memory.gpu import mlp_state_pass_gpu
-    return mlp_state_pass_gpu(state, a, targets, rows, momentum_rows, decay_end, carry_end,
-                              momentum_carry, activation=activation, residual=residual,
-                              interpret=interpret, block_sizes=block_sizes)
+    return mlp_state_pass_gpu
 
 
 def kernel_covers(spec, opt_kind: str, d_in: int, d_out: int, decoupled_point: bool) -> str | None:
