@@ -60,12 +60,11 @@ def _operands(seed, *, momentum, B=1, H=2, N=3, n=11, d=8, h=32, dv=8, dtype=jnp
     return state, a.astype(dtype), t, rows, extra[0], decay, extra[1], extra[2]
 
 
-def _states_and_grads(impl, args, *, activation, residual, kernel=None):
+def _states_and_grads(impl, args, *, activation, residual, kernel=None, run=mlp_state_pass):
     probe = jax.random.normal(jax.random.PRNGKey(99), (4096,))
 
     def loss(*x):
-        starts, final = mlp_state_pass(*x, activation=activation, residual=residual, impl=impl,
-                                       kernel=kernel)
+        starts, final = run(*x, activation=activation, residual=residual, impl=impl, kernel=kernel)
         leaves = jax.tree.leaves((starts, final))
         total = sum(jnp.sum(l * probe[:l.size].reshape(l.shape) if l.size <= 4096 else l) for l in leaves)
         return total, (starts, final)
@@ -95,6 +94,20 @@ def test_kernel_bf16_sources(kernel):
     starts, final = mlp_state_pass(*args, activation="gelu", impl="pallas", kernel=kernel)
     starts_r, final_r = mlp_state_pass(*ref_args, activation="gelu", impl="chunk")
     assert tree_rel(final, final_r) <= 2e-2 and tree_rel(starts, starts_r) <= 2e-2
+
+
+@pytest.mark.parametrize("N,kernel", [(1, "gpu"), (1, "tpu"), (3, "gpu")])
+def test_kernel_one_chunk_and_several_hidden_tiles(N, kernel):
+    """N = 1: the initial state is the only start state and the only chunk writes the final state;
+    the GPU kernel at block_hidden 16 walks two hidden tiles per sweep (h = 32)."""
+    args = _operands(10, momentum=True, N=N)
+    block_sizes = MLPGpuBlockSizes(16, num_stages=3) if kernel == "gpu" else None
+    want = _states_and_grads("chunk", args, activation="gelu", residual=False)
+    run = functools.partial(mlp_state_pass, block_sizes=block_sizes)
+    got = _states_and_grads("pallas", args, activation="gelu", residual=False, kernel=kernel, run=run)
+    assert tree_rel(got[0], want[0]) <= TOL
+    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
+        assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
 
 
 def _window_spec():
@@ -171,6 +184,8 @@ def test_routing_and_errors():
         mlp_state_pass(*args, impl="pallas", kernel="tpu", block_sizes=MLPGpuBlockSizes())
     with pytest.raises(ValueError, match="vmem_limit_bytes"):
         mlp_state_pass(*args, impl="pallas", kernel="tpu", block_sizes=MLPTpuBlockSizes(-1))
+    with pytest.raises(ValueError, match="num_stages"):
+        mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(num_stages=0))
 
 
 def _export(kernel, dtype, momentum, n=64, d=128, h=512, dv=128):

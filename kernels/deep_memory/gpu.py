@@ -6,11 +6,18 @@ cotangents and the chunk-end update of W0, W1 (and the momentum m0, m1). One pro
 (batch·head) walks the N chunks in a `fori_loop`; the hidden width h is tiled (``block_hidden``
 columns of W0 / rows of W1 at a time), in two sweeps per chunk: the first sums Y = σ(a W0) W1 over
 the tiles, the second, with E = Y − targets known, forms each tile's cotangents and writes its
-updated weights. The states live in the output buffer of every chunk's start state ([N + 1] slots
-per program, slot n + 1 written while chunk n reads slot n, a CTA barrier between chunks), which
-the backward pass and the dual form's chunk-parallel reads need anyway; a state [d, h] does not fit
-a program's registers or shared memory at the sizes users train (titans: 2 × 128 × 512 float32
-weights plus the momentum, 1 MiB per head).
+updated weights. The states live in the outputs: every chunk's start state [N] per program (slot 0
+the initial state; chunk n reads slot n and writes slot n + 1, the last chunk the final-state
+output instead, a CTA barrier between chunks), which the backward pass and the dual form's
+chunk-parallel reads need anyway; a state [d, h] does not fit a program's registers or shared
+memory at the sizes users train (titans: 2 × 128 × 512 float32 weights plus the momentum, 1 MiB
+per head). Start states and final state are separate outputs: one [N + 1] buffer sliced afterwards
+copied it whole (2 GB at titans sizes).
+
+Performance: only B·H programs run, each walking N chunks of two sweeps over h / block_hidden
+tiles, so the pass is latency-bound; the sweeps are `fori_loop`s over the tile index (not unrolled
+Python loops) so Triton's software pipeliner (``num_stages``) prefetches the next tile's float32
+state loads while the current tile's dots run.
 
 Backward: `jax.custom_vjp` (`support.state_pass_vjp`, shared with the TPU kernel); the reverse
 pass over chunks runs in XLA from the kept start states (`mlp_chunk_step`'s VJP, chunk by chunk in
@@ -54,9 +61,11 @@ def _next_pow2(n, least=16):
 @dataclasses.dataclass(frozen=True)
 class MLPGpuBlockSizes:
     """block_hidden: hidden columns per tile (a power of two >= 16 dividing h padded to a power
-    of two; None: min(h, 64)). num_warps: warps per program."""
+    of two; None: min(h, 64)). num_warps: warps per program. num_stages: Triton's software
+    pipelining depth for the loops over hidden tiles (a positive int; 1: no prefetch)."""
     block_hidden: int | None = None
     num_warps: int = 8
+    num_stages: int = 2
 
     def resolve(self, h):
         return dataclasses.replace(self, block_hidden=min(h, 64) if self.block_hidden is None
@@ -71,6 +80,10 @@ class MLPGpuBlockSizes:
         if not is_int(w) or w < 1 or w > 32 or w & (w - 1):
             raise ValueError(f"{_FN}: argument `block_sizes.num_warps` must be a power of two from 1 "
                              f"to 32; got {w!r}.")
+        st = self.num_stages
+        if not is_int(st) or st < 1:
+            raise ValueError(f"{_FN}: argument `block_sizes.num_stages` must be a positive int; "
+                             f"got {st!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +91,7 @@ class _Cfg(support.PassCfg):
     hidden: int
     block_hidden: int
     num_warps: int
+    num_stages: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,19 +104,29 @@ def _scalar(ref, i):
 
 
 def _kernel(r, cfg: _Cfg):
-    low, bt = cfg.low, cfg.block_hidden
-    tiles = [pl.ds(j * bt, bt) for j in range(cfg.hidden // bt)]
+    """r: the refs by name: operands (a, t, rows, decay, w0, w1; with momentum mrows, carry,
+    mcarry, m0, m1), start-state outputs s_* [N, ...] and final-state outputs f_* [...]."""
+    low, bt, N = cfg.low, cfg.block_hidden, cfg.n_chunks
     names = ("w0", "w1", "m0", "m1") if cfg.momentum else ("w0", "w1")
 
     def barrier():
         if not cfg.interpret:   # interpret mode runs a program's statements in order
             plgpu.debug_barrier()
 
+    def tile(j):                # hidden columns of tile j (rows of W1 / m1)
+        return pl.ds(pl.multiple_of(j * bt, bt), bt)
+
+    def idx(name, cols):        # a tile of a state: columns of W0 / m0, rows of W1 / m1
+        return (slice(None), cols) if name in ("w0", "m0") else (cols, slice(None))
+
     # Slot 0 of the start states is the initial state.
-    for cols in tiles:
+    def copy_initial(j, carry):
+        cols = tile(j)
         for name in names:
-            idx = (slice(None), cols) if name in ("w0", "m0") else (cols, slice(None))
-            r["s_" + name][(0,) + idx] = load_f32(r[name], idx)
+            r["s_" + name][(0,) + idx(name, cols)] = load_f32(r[name], idx(name, cols))
+        return carry
+
+    lax.fori_loop(0, cfg.hidden // bt, copy_initial, 0)
     barrier()
 
     def operand(x):
@@ -114,57 +138,72 @@ def _kernel(r, cfg: _Cfg):
         rows = load_f32(r["rows"], (i, slice(None)))[:, None]  # [n, 1]
         decay = _scalar(r["decay"], i)
 
-        def tile_weights(slot, cols):
-            return (load_f32(r["s_w0"], (slot, slice(None), cols)),
-                    load_f32(r["s_w1"], (slot, cols, slice(None))))
+        def load(name, cols):                                # chunk i's start state, one tile
+            return load_f32(r["s_" + name], (i,) + idx(name, cols))
 
-        y = a.astype(F32) if cfg.residual else jnp.zeros(targets.shape, F32)
-        for cols in tiles:                                   # Y = σ(a W0) W1, tile by tile
-            w0, w1 = tile_weights(i, cols)
-            hidden, _ = act_and_grad(cfg.activation, mm(a, w0, low))
-            y = y + mm(hidden, w1, low)
+        def store(name, cols, value):                        # chunk i's end state, one tile
+            @pl.when(i + 1 < N)
+            def _():
+                r["s_" + name][(i + 1,) + idx(name, cols)] = value
+
+            @pl.when(i + 1 == N)
+            def _():
+                r["f_" + name][idx(name, cols)] = value
+
+        def forward_tile(j, y):                              # Y = σ(a W0) W1, tile by tile
+            cols = tile(j)
+            hidden, _ = act_and_grad(cfg.activation, mm(a, load("w0", cols), low))
+            return y + mm(hidden, load("w1", cols), low)
+
+        y0 = a.astype(F32) if cfg.residual else jnp.zeros(targets.shape, F32)
+        y = lax.fori_loop(0, cfg.hidden // bt, forward_tile, y0)
         e = y - targets
         row_e = rows * e
         if cfg.momentum:
             mrows = load_f32(r["mrows"], (i, slice(None)))[:, None]
             mrow_e = mrows * e
             carry_end, momentum_carry = _scalar(r["carry"], i), _scalar(r["mcarry"], i)
-        for cols in tiles:                                   # cotangents and the chunk-end update
-            w0, w1 = tile_weights(i, cols)
+
+        def update_tile(j, unused):                          # cotangents and the chunk-end update
+            cols = tile(j)
+            w0, w1 = load("w0", cols), load("w1", cols)
             hidden, slope = act_and_grad(cfg.activation, mm(a, w0, low))
             d0 = mm_nt(e, w1, low) * slope                   # [n, bt]
             new_w0 = decay * w0 + mm_tn(a, operand(rows * d0), low)
             new_w1 = decay * w1 + mm_tn(operand(hidden), operand(row_e), low)
             if cfg.momentum:
-                m0 = load_f32(r["s_m0"], (i, slice(None), cols))
-                m1 = load_f32(r["s_m1"], (i, cols, slice(None)))
+                m0, m1 = load("m0", cols), load("m1", cols)
                 new_w0 = new_w0 + carry_end * m0
                 new_w1 = new_w1 + carry_end * m1
-                r["s_m0"][i + 1, :, cols] = momentum_carry * m0 + mm_tn(a, operand(mrows * d0), low)
-                r["s_m1"][i + 1, cols, :] = momentum_carry * m1 + mm_tn(operand(hidden), operand(mrow_e), low)
-            r["s_w0"][i + 1, :, cols] = new_w0
-            r["s_w1"][i + 1, cols, :] = new_w1
+                store("m0", cols, momentum_carry * m0 + mm_tn(a, operand(mrows * d0), low))
+                store("m1", cols, momentum_carry * m1 + mm_tn(operand(hidden), operand(mrow_e), low))
+            store("w0", cols, new_w0)
+            store("w1", cols, new_w1)
+            return unused
+
+        lax.fori_loop(0, cfg.hidden // bt, update_tile, 0)
         barrier()
         return carry
 
-    lax.fori_loop(0, cfg.n_chunks, chunk, 0)
+    lax.fori_loop(0, N, chunk, 0)
 
 
 def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarry):
     """Operands on the kernel layout ([BH, N, ...], states [BH, ...], padded); returns the start
-    states [BH, N, ...] and the final state [BH, ...] (the kernel's slots 0..N - 1 and N)."""
+    states [BH, N, ...] and the final state [BH, ...] (separate outputs of the kernel)."""
     BH, N, n, d = a.shape
     h, dv = state.w0.shape[-1], state.w1.shape[-1]
     seq = lambda *rest: pl.BlockSpec((None, N) + rest, lambda b: (b,) + (0,) * (len(rest) + 1))
-    slots = lambda *rest: pl.BlockSpec((None, N + 1) + rest, lambda b: (b,) + (0,) * (len(rest) + 1))
     whole = lambda *rest: pl.BlockSpec((None,) + rest, lambda b: (b,) + (0,) * len(rest))
     ins = [("a", a, seq(n, d)), ("t", t, seq(n, dv)), ("rows", rows, seq(n)), ("decay", decay, seq()),
            ("w0", state.w0, whole(d, h)), ("w1", state.w1, whole(h, dv))]
-    outs = [("s_w0", (d, h)), ("s_w1", (h, dv))]
+    shapes = [("w0", (d, h)), ("w1", (h, dv))]
     if cfg.momentum:
         ins += [("mrows", mrows, seq(n)), ("carry", carry, seq()), ("mcarry", mcarry, seq()),
                 ("m0", state.m0, whole(d, h)), ("m1", state.m1, whole(h, dv))]
-        outs += [("s_m0", (d, h)), ("s_m1", (h, dv))]
+        shapes += [("m0", (d, h)), ("m1", (h, dv))]
+    outs = ([("s_" + name, seq(*shape), (BH, N) + shape) for name, shape in shapes]
+            + [("f_" + name, whole(*shape), (BH,) + shape) for name, shape in shapes])
     names = [x[0] for x in ins] + [x[0] for x in outs]
 
     def kernel(*refs):
@@ -172,12 +211,13 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
 
     res = pl.pallas_call(
         kernel, grid=(BH,),
-        in_specs=[x[2] for x in ins], out_specs=[slots(*shape) for _, shape in outs],
-        out_shape=[jax.ShapeDtypeStruct((BH, N + 1) + shape, F32) for _, shape in outs],
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        in_specs=[x[2] for x in ins], out_specs=[x[1] for x in outs],
+        out_shape=[jax.ShapeDtypeStruct(x[2], F32) for x in outs],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret, name="mlp_state_pass",
     )(*[x[1] for x in ins])
-    return MLPStates(*(x[:, :N] for x in res)), MLPStates(*(x[:, N] for x in res))
+    k = len(shapes)
+    return MLPStates(*res[:k]), MLPStates(*res[k:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +244,7 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
     bs = bs.resolve(hp)
     bs.check(hp)
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
-               block_hidden=bs.block_hidden, num_warps=bs.num_warps,
+               block_hidden=bs.block_hidden, num_warps=bs.num_warps, num_stages=bs.num_stages,
                interpret=bool(default_interpret() if interpret is None else interpret))
     padded = tuple(_next_pow2(x) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     return _run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
