@@ -332,6 +332,8 @@ def main():
     ap.add_argument("--parity", action="store_true",
                     help="fla's parity rows instead: fused gate and grouped value heads "
                          "(HV = 2 H), ours fused / unfused and (--fla) fla's same call")
+    ap.add_argument("--parity-cases", nargs="+", default=list(PARITY), choices=list(PARITY),
+                    help="which parity rows (fla's first fwd+bwd of each autotunes for minutes)")
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions")
     ap.add_argument("--out", default=None, help="folder for bench_ops.json (default $OUT)")
     args = ap.parse_args()
@@ -347,7 +349,7 @@ def main():
         if args.memory:
             peak_memory(ops, shape, args.ops, args.memory, results["memory_fwd_bwd_peak_GB"].setdefault(key, {}))
         elif args.parity:
-            bench_parity(ops, shape, PARITY, args.reps, args.fla,
+            bench_parity(ops, shape, args.parity_cases, args.reps, args.fla,
                          results["bench_ms"].setdefault(key, {}))
         else:
             res = results["bench_ms"].setdefault(key, {})

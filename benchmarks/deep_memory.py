@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import import_tree, log, save_json, shape_arg, time_jax  # noqa: E402
+from timing import import_tree, log, save_json, shape_arg, time_jax, trace_kernels  # noqa: E402
 
 ENTRIES = {   # entry name -> (preset, preset options, what the table says)
     "titans": ("titans", {}, "titans"),
@@ -94,7 +94,7 @@ def _is_oom(error) -> bool:
     return any(word in text for word in ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory"))
 
 
-def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtype="float32"):
+def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtype="float32", trace_dir=None):
     """Compiles (and unless ``compile_only`` times) one entry's forward+backward, and its forward."""
     import jax
     from atlas_jax.forms import chunked
@@ -132,6 +132,10 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
         else:
             ms = time_jax(compiled, *args, reps=reps)
         row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
+        if trace_dir:   # where the time goes: device kernels summed by name, forward+backward
+            kernels, total = trace_kernels(lambda: jax.block_until_ready(call()), trace_dir)
+            row["trace_total_ms"] = total
+            row["trace_top"] = [(name[:90], round(ms, 3), count) for name, ms, count in kernels]
         stats = jax.devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:
             row["peak_GiB"] = stats["peak_bytes_in_use"] / 2 ** 30
@@ -211,7 +215,9 @@ def worker(a):
                 with chunked.materialising():
                     row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps))
             else:
-                row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps, a.impl, a.dtype))
+                trace_dir = None if not a.trace else os.path.join(a.trace, f"{a.worker}_{a.impl}_{a.dtype}")
+                row.update(measure_ours(a.worker, B, T, H, D, a.chunk, a.compile_only, a.reps, a.impl, a.dtype,
+                                        trace_dir))
     except ImportError as error:
         row["error"] = f"not installed: {error}"[:200]
     except Exception as error:   # out of memory on the device: report it and go on
@@ -224,6 +230,7 @@ def _run_entry(a, name, reference, impl="chunk", dtype="float32"):
                "--chunk", str(a.chunk), "--reps", str(a.reps), "--impls", impl, "--dtypes", dtype]
     command += ["--reference"] * reference + ["--compile-only"] * a.compile_only
     command += ["--root", a.root] if a.root else []
+    command += ["--trace", a.trace] if a.trace else []
     B, T, H, D = a.shape
     fallback = {"entry": name, "form": "materialising" if reference else "auto (dual where covered)",
                 "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk, "impl": impl, "dtype": dtype}
@@ -282,6 +289,9 @@ def main(argv=None):
     parser.add_argument("--timeout", type=int, default=240,
                         help="seconds per entry (default 240: the device tool allows 600 s per command)")
     parser.add_argument("--root", default=None, help="checkout to import atlas_jax from (default: this one)")
+    parser.add_argument("--trace", default=None,
+                        help="folder for a jax.profiler trace of each entry's forward+backward; the row gets "
+                             "the device kernels' times summed by name (trace_top)")
     parser.add_argument("--out", default=None, help="folder for deep_memory.json / .md (default $OUT)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)

@@ -113,6 +113,9 @@ def main(argv=None):
     parser.add_argument("--anchor-timeout", type=float, default=400)
     parser.add_argument("--tag", default="", help="suffix of the output files (lm_throughput<tag>.md/.json)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU dry run); skips the anchor")
+    parser.add_argument("--root", default=None,
+                        help="checkout to import atlas_jax from (default: this one), e.g. an archived "
+                             "earlier commit, to time two trees side by side")
     args = parser.parse_args(argv)
 
     # dots_and_kernels keeps ≈ 53 GiB at B8 T4096: let XLA's allocator use the whole card (the
@@ -125,7 +128,7 @@ def main(argv=None):
         log(json.dumps(anchor))
         rows.append(anchor)
 
-    import_tree()
+    import_tree(args.root) if args.root else import_tree()
     import jax
 
     size, seq, batch = ("tiny", 64, 2) if args.tiny else ("340m", 4096, 8)

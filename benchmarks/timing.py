@@ -175,3 +175,29 @@ def fla_inputs(B, T, H, D, device="cuda", V=None):
     gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=device)).requires_grad_()
     beta = torch.sigmoid(torch.randn(B, T, H, device=device)).to(bf).requires_grad_()
     return q, k, v, g, gk, beta, normal(B, T, H, V)
+
+
+def trace_kernels(call, trace_dir, *, calls=3, top=25):
+    """Runs ``call()`` (it blocks until its results are ready) ``calls`` times under
+    jax.profiler.trace and sums the device-side events by name, per call: [(name, ms, count)],
+    largest first, plus the total. Reads the Perfetto trace JAX writes next to the xplane."""
+    import gzip
+    import jax
+
+    call()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            call()
+    paths = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not paths:
+        return [], 0.0
+    events = json.load(gzip.open(paths[-1]))["traceEvents"]
+    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "/device:" in str(e.get("args", {}).get("name", ""))}
+    sums = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
+            ms, count = sums.get(e["name"], (0.0, 0))
+            sums[e["name"]] = (ms + e["dur"] / 1e3 / calls, count + 1)
+    rows = sorted(((name, ms, count // calls) for name, (ms, count) in sums.items()), key=lambda r: -r[1])
+    return rows[:top], sum(ms for _, ms, _ in rows)

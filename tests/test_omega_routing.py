@@ -47,8 +47,12 @@ def test_has_kernel_is_truthful():
         assert chunked.is_omega_exact(spec) and spec.has_kernel and spec.chunked_is_exact, name
     for name in ("swla", "deltanet", "gated_deltanet", "kda"):
         assert presets.get(name).has_kernel, name
-    # Deep memories, Muon, and coupled decay with ℓ2 have no kernel.
-    for name in ("titans", "omeganet", "atlas", "atlas_pp", "moneta", "yaad", "memora", "mesanet"):
+    # The deep-memory state-pass kernel runs depth-2 MLPs without a skip map or LayerNorm, ℓ2,
+    # GD or momentum (tests/test_deep_memory_kernel.py); Muon, maps, LayerNorm blocks, the skip
+    # map of polynomial features and coupled decay with ℓ2 have no kernel.
+    for name in ("titans", "ttt_mlp"):
+        assert presets.get(name).has_kernel, name
+    for name in ("omeganet", "atlas", "atlas_pp", "dla", "moneta", "yaad", "memora", "mesanet"):
         assert not presets.get(name).has_kernel, name
     coupled = aj.MemorySpec(LinearMemory(), Identity(), obj.L2(), 3, opt.gd(), ret.scalar())
     assert not coupled.has_kernel

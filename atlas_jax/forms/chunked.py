@@ -356,33 +356,37 @@ def deep_kernel_covers(spec) -> bool:
     at some sizes (``deep_kernel_route`` decides for a call's sizes)."""
     from atlas_jax.ops.deep_memory import kernel_covers
 
+    from atlas_jax.features import Identity
+    from atlas_jax.forms.dual import _memory_has_linear_layers
+
     kind = inner_opt.info(spec.optimizer).kind
     decoupled = spec.retention.decay == "none" or spec.retention.decoupled
-    probe = jax.eval_shape(lambda: spec.memory.init(jax.random.PRNGKey(0), 4, 4))
-    from atlas_jax.forms.dual import _memory_has_linear_layers
-    return (kernel_covers(spec, kind, 4, 4, decoupled) is None
-            and _memory_has_linear_layers(spec.memory, probe, 4))
+    # A feature map widens the input (d_φ > d), so a residual memory needs a skip map there.
+    d_in = 4 if type(spec.feature_map) is Identity else 5
+    probe = jax.eval_shape(lambda: spec.memory.init(jax.random.PRNGKey(0), d_in, 4))
+    return (kernel_covers(spec, kind, d_in, 4, decoupled) is None
+            and _memory_has_linear_layers(spec.memory, probe, d_in))
 
 
 def deep_kernel_route(spec, state: MemoryState, steps: Steps, *, impl: str, chunk_size: int,
                       features=None) -> bool:
     """Whether a MemorySpec call ([B, H, S, ...] steps, padded) runs the dual form on the
     deep-memory kernel: impl "pallas" whenever the kernel takes the call (else NotImplementedError
-    saying why), "auto" on GPU where the dual form runs and the kernel takes it."""
+    saying why). "auto" keeps the XLA dual form: on an H100 (titans, B4 T4096 H8 D128, bf16, one
+    command) the kernel route ran forward+backward in 42.1 against 47.4 ms but forward in 13.9
+    against 10.8 ms at twice the peak memory (6.5 against 3.1 GiB: the split form keeps every
+    chunk's read intermediates), benchmarks/results/deep_memory_h100_2026-11-25b.md."""
     from atlas_jax.forms import dual
 
-    if impl not in ("pallas", "auto") or not deep_kernel_covers(spec) or _FORM == "materialising":
+    if impl != "pallas" or not deep_kernel_covers(spec) or _FORM == "materialising":
         return False
     one = jax.tree.map(lambda x: x[0, 0], (state, steps))
     d_in = None if features is None else features.output_dim(steps.inputs.shape[-1])
     gap = dual.kernel_gap(spec, *one, chunk_size=chunk_size, d_in=d_in)
-    if impl == "pallas":
-        if gap is not None:
-            raise NotImplementedError(f"MemorySpec: impl='pallas': the deep-memory kernel does not take "
-                                      f"{gap}; use impl='chunk' or 'auto'")
-        return True
-    return (gap is None and jax.default_backend() in ("gpu", "cuda", "rocm")
-            and runs_dual_form(spec, *one, chunk_size=chunk_size, d_in=d_in))
+    if gap is not None:
+        raise NotImplementedError(f"MemorySpec: impl='pallas': the deep-memory kernel does not take "
+                                  f"{gap}; use impl='chunk' or 'auto'")
+    return True
 
 
 def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None):
