@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from atlas_jax.features import Polynomial
+
 
 def rel(a, b) -> float:
     """‖a − b‖ / ‖b‖ in float64 (0 when both are 0)."""
@@ -109,3 +111,33 @@ def omega_spec_inputs(spec, *, per_position, seed, T, K, V, prefix):
     co = jax.random.normal(ks[7], (B, T, H, V))
     cs = jax.random.normal(ks[8], (B, H, d, V))
     return (q, k, v, beta, g, gamma), state0, co, cs
+
+
+def deep_spec_inputs(spec, seed, B, T, H, K, V, *, per_position_gates=False):
+    """Random q, k (unit), v, every knob ``spec`` takes, a state mid-sequence (momentum moved off
+    its initial value) and perturbed feature-map coefficients: (q, k, v, knobs, state, feature_params)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 10)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    knobs = {"beta": 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))}
+    if spec.retention.needs_gate:
+        knobs["g"] = jax.nn.log_sigmoid(2.0 + jax.random.normal(ks[4], (B, T, H)))
+    if spec.opt_kind in ("momentum", "muon"):
+        knobs["nu"] = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H)))
+    if spec.objective.uses_delta:
+        knobs["delta"] = 0.5 + jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H)))
+    if spec.window > 1:
+        shape = (B, T, H, spec.window) if per_position_gates else (B, T, H)
+        knobs["gamma"] = jax.nn.sigmoid(jax.random.normal(ks[7], shape))
+    state = spec.init_state(ks[8], batch=B, heads=H, d_k=K, d_v=V)
+    # A state mid-sequence: momentum (and θ) away from their initial values.
+    bump = lambda x, key: x + 0.1 * jax.random.normal(key, x.shape)
+    leaves, tree = jax.tree.flatten(state.opt_state)
+    keys = jax.random.split(ks[9], len(leaves) + 1)
+    state = state._replace(opt_state=jax.tree.unflatten(tree, [bump(x, kk) for x, kk in zip(leaves, keys)]))
+    feature_params = spec.feature_map.init_params()
+    if isinstance(spec.feature_map, Polynomial):
+        feature_params = {"coeffs": feature_params["coeffs"] * (1.0 + 0.1 * jax.random.normal(keys[-1], (3,)))}
+    return q, k, v, knobs, state, feature_params

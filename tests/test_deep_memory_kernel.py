@@ -23,13 +23,12 @@ rounding of the sources and the weights in every dot).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import rel, tree_rel
+from helpers import deep_spec_inputs, rel, tree_rel
 
 from atlas_jax import objectives, optimizers, presets, retention
 from atlas_jax.features import Identity
@@ -120,22 +119,7 @@ SPECS = {"titans": lambda: presets.get("titans", hidden=16), "ttt_mlp": lambda: 
 
 
 def _spec_inputs(spec, seed, B=1, T=37, H=2, K=8, V=8):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 9)
-    q = jax.random.normal(ks[0], (B, T, H, K))
-    k = jax.random.normal(ks[1], (B, T, H, K))
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(ks[2], (B, T, H, V))
-    knobs = {"beta": 0.3 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))}
-    if spec.retention.needs_gate:
-        knobs["g"] = jax.nn.log_sigmoid(2.0 + jax.random.normal(ks[4], (B, T, H)))
-    if spec.opt_kind == "momentum":
-        knobs["nu"] = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H)))
-    if spec.window > 1:
-        knobs["gamma"] = jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H)))
-    state = spec.init_state(ks[7], batch=B, heads=H, d_k=K, d_v=V)
-    if spec.opt_kind == "momentum":   # a state mid-sequence
-        state = state._replace(opt_state=jax.tree.map(lambda x: x + 0.1, state.opt_state))
-    return q, k, v, knobs, state
+    return deep_spec_inputs(spec, seed, B, T, H, K, V)[:5]
 
 
 def _spec_run(spec, impl, args, chunk=16):
