@@ -45,6 +45,12 @@ def _linear(objective, retention=None, feature_map=None):
     return make
 
 
+def _atlas_chunked(cfg, ns_every):
+    return MemorySpec(MLPMemory(2, cfg.hidden, residual=True), Polynomial(cfg.degree), L2(), cfg.window,
+                      opt.muon(1.0, 0.9, 5, ns_every=ns_every), ret.scalar(0.0, decoupled=True),
+                      impl="chunk", chunk_size=cfg.chunk_size)
+
+
 MEMORIES = {
     "linear_attention": ("linear attention", _linear(Dot()), (0.25, 0.5, 1.0)),
     "deltanet": ("DeltaNet", _linear(L2()), (0.5, 0.8, 1.0)),
@@ -57,13 +63,19 @@ MEMORIES = {
     "atlas": ("ATLAS (poly φ, Omega, Muon)",
               lambda c: MemorySpec(MLPMemory(2, c.hidden, residual=True), Polynomial(c.degree), L2(), c.window,
                                    opt.muon(1.0, 0.9, 5), ret.scalar(0.0, decoupled=True)), (0.003, 0.01, 0.03, 0.1)),
+    # The chunk-start form (impl="chunk", chunk_size), with Newton–Schulz on every m_t (the paper)
+    # or once per chunk (ns_every="chunk", what the dual form runs): the cost of the schedule in recall.
+    "atlas_chunked": ("ATLAS, chunk-start form, NS per token",
+                      lambda c: _atlas_chunked(c, "token"), (0.003, 0.01, 0.03, 0.1)),
+    "atlas_ns_per_chunk": ("ATLAS, chunk-start form, NS per chunk",
+                           lambda c: _atlas_chunked(c, "chunk"), (0.003, 0.01, 0.03, 0.1)),
     "atlas_adam": ("ATLAS memory + optax.adam",
                    lambda c: MemorySpec(MLPMemory(2, c.hidden, residual=True), Polynomial(c.degree), L2(),
                                         c.window, optax.chain(optax.scale_by_adam(), opt.gd()),
                                         ret.scalar(0.0, decoupled=True)), (0.003, 0.01, 0.03, 0.1)),
 }
 # the memories whose feature map is Polynomial(degree), which reads poly_coeffs
-POLYNOMIAL_MEMORIES = ("deltanet_poly2", "atlas", "atlas_adam")
+POLYNOMIAL_MEMORIES = ("deltanet_poly2", "atlas", "atlas_chunked", "atlas_ns_per_chunk", "atlas_adam")
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,7 @@ class MemorizationConfig(Config):
     hidden: int = setting(64, ge=1)
     degree: int = setting(2, ge=1)
     window: int = setting(4, ge=1)
+    chunk_size: int = setting(16, ge=1)   # the chunk-start form's chunk (atlas_chunked, atlas_ns_per_chunk)
     # a_0 = 0: the constant feature is shared by every key and only adds cross-talk; an outer loop
     # would learn that (ATLAS §3.1, input gating), this experiment has no outer loop.
     poly_coeffs: tuple[float, ...] | None = (0.0, 1.0, 1.0)
