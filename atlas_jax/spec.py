@@ -205,7 +205,8 @@ class MemorySpec:
             raise NotImplementedError(f"MemorySpec: impl='pallas' has no kernel for {self.name!r} "
                                       f"({self.memory.describe()}, {self.objective.describe()}, window {self.window}, "
                                       f"{inner_opt.describe(self.optimizer)}); the kernels cover the exact delta "
-                                      "family and the Omega rule on a linear memory. Use impl='chunk' or 'auto'")
+                                      "family, the Omega rule on a linear memory and depth-2 MLP memories with ℓ2 and GD or "
+                                      "momentum (titans, ttt_mlp). Use impl='chunk' or 'auto'")
         shapes = _check_inputs(self, q, k, v, beta, g, nu, gamma, delta)
         batch, _, heads, d_k, d_v, n = shapes
         state = self._coerce_state(initial_state, batch, heads, d_k, d_v)

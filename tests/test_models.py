@@ -212,7 +212,7 @@ def test_memory_state_size():
     (lambda: build("atlas", "tiny", rngs=nnx.Rngs(0), preset_options={"windw": 2}), r"unknown option\(s\) \['windw'\]"),
     (lambda: build("gated_deltanet", "tiny", rngs=nnx.Rngs(0), expand_v=0.3), r"expand_v=0.3 must make expand_v · head_dim \(16\) a whole number"),
     (lambda: build("titans_mag", "tiny", rngs=nnx.Rngs(0), expand_v=2), r"expand_v=2 needs kind 'memory'"),
-    (lambda: build("titans", "tiny", rngs=nnx.Rngs(0), impl="pallas"), r"impl='pallas' covers the exact delta family.*is neither; choose impl in \['auto', 'chunk', 'recurrent'\]"),
+    (lambda: build("atlas", "tiny", rngs=nnx.Rngs(0), impl="pallas"), r"impl='pallas' covers the exact delta family.*is none of them; choose impl in \['auto', 'chunk', 'recurrent'\]"),
 ])
 def test_bad_config_raises_clear_error(call, match):
     with pytest.raises(ValueError, match=match):

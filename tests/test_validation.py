@@ -66,11 +66,11 @@ def test_chunk_size_and_impl_and_window(inputs):
         spec(q, k, v, beta=beta, form="parallel")
     with pytest.warns(DeprecationWarning, match="use impl="):
         spec(q, k, v, beta=beta, form="chunked")
-    with pytest.raises(NotImplementedError, match=r"impl='pallas' has no kernel for 'titans'"):
-        titans = presets.get("titans", hidden=4)
-        titans(q, k, v, initial_state=titans.init_state(jax.random.PRNGKey(0), batch=q.shape[0],
-                                                          heads=q.shape[2], d_k=q.shape[3], d_v=v.shape[3]),
-               impl="pallas")
+    with pytest.raises(NotImplementedError, match=r"impl='pallas' has no kernel for 'atlas'"):
+        atlas = presets.get("atlas", hidden=4)
+        atlas(q, k, v, initial_state=atlas.init_state(jax.random.PRNGKey(0), batch=q.shape[0],
+                                                        heads=q.shape[2], d_k=q.shape[3], d_v=v.shape[3]),
+              impl="pallas")
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=r"^MemorySpec: window must be an int >= 1"):
             aj.MemorySpec(window=bad)

@@ -92,8 +92,9 @@ def build(name: str, size: str = "tiny", *, rngs: nnx.Rngs, **overrides) -> Lang
     if spec is not None and cfg.kind in ("mag", "mal", "mac", "samba", "memory") and not hasattr(spec, "init_state"):
         raise ValueError(f"model {name!r}: preset {cfg.preset!r} is a closed form and cannot be a hybrid's memory")
     if cfg.impl == "pallas" and spec is not None and not getattr(spec, "has_kernel", False):
-        raise ValueError(f"model config: impl='pallas' covers the exact delta family (ℓ2 objective) and the "
-                         f"exact Omega rule on a linear memory, and preset {cfg.preset!r} is neither; choose "
+        raise ValueError(f"model config: impl='pallas' covers the exact delta family (ℓ2 objective), the "
+                         f"exact Omega rule on a linear memory and depth-2 MLP memories with ℓ2 and GD or "
+                         f"momentum (titans, ttt_mlp), and preset {cfg.preset!r} is none of them; choose "
                          f"impl in ['auto', 'chunk', 'recurrent']")
     return LanguageModel(cfg, spec, rngs=rngs)
 
