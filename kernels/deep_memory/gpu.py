@@ -17,7 +17,10 @@ copied it whole (2 GB at titans sizes).
 Performance: only B·H programs run, each walking N chunks of two sweeps over h / block_hidden
 tiles, so the pass is latency-bound; the sweeps are `fori_loop`s over the tile index (not unrolled
 Python loops) so Triton's software pipeliner (``num_stages``) prefetches the next tile's float32
-state loads while the current tile's dots run.
+state loads while the current tile's dots run. Measured on an H100 (titans sizes: B4 H8, 64 chunks
+of 64, d 128, h 512, momentum, bf16 sources): forward 9.7 ms against 9.85 for the XLA scan (19.7
+with unrolled tile loops and the [N + 1] buffer sliced afterwards; block_hidden 128 asks 256 KiB of
+shared memory, over the H100's 227 KiB).
 
 Backward: `jax.custom_vjp` (`support.state_pass_vjp`, shared with the TPU kernel); the reverse
 pass over chunks runs in XLA from the kept start states (`mlp_chunk_step`'s VJP, chunk by chunk in
@@ -31,7 +34,9 @@ one, with erf from Abramowitz–Stegun 7.1.26 (`support.erf_as`, absolute error 
 Triton lowering has no erf).
 
 Verification: interpret mode on CPU against the XLA reference (tests/test_deep_memory_kernel.py);
-the `gpu`-marked test compiles it.
+the `gpu`-marked tests compile it. On an H100 the float32 op tests passed at 1e-5 before the tile
+loops became `fori_loop`s; after that change only bf16 was compared there (titans sizes, 3.5e-3
+of the float32 XLA pass).
 """
 
 from __future__ import annotations
