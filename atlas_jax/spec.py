@@ -428,8 +428,7 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         pad = (-total) % chunk_size
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
         run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features)
-    if impl != "recurrent" and deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size,
-                                                 features=features):
+    if deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size, features=features):
         # The dual form with its sequential pass on the deep-memory kernel (bf16 dots for bf16 inputs).
         final, o = dual_batched_kernel(spec, state, padded, chunk_size=chunk_size, features=features,
                                        low_precision=low_precision)

@@ -354,18 +354,14 @@ def runs_dual_form(spec, state: MemoryState, steps: Steps, *, chunk_size: int, d
 def deep_kernel_covers(spec) -> bool:
     """Whether the deep-memory state-pass kernel (``ops.deep_memory``) runs ``spec``'s dual form
     at some sizes (``deep_kernel_route`` decides for a call's sizes)."""
-    from atlas_jax.ops.deep_memory import kernel_covers
-
     from atlas_jax.features import Identity
     from atlas_jax.forms.dual import _memory_has_linear_layers
+    from atlas_jax.ops.deep_memory import kernel_covers
 
-    kind = inner_opt.info(spec.optimizer).kind
-    decoupled = spec.retention.decay == "none" or spec.retention.decoupled
     # A feature map widens the input (d_φ > d), so a residual memory needs a skip map there.
     d_in = 4 if type(spec.feature_map) is Identity else 5
     probe = jax.eval_shape(lambda: spec.memory.init(jax.random.PRNGKey(0), d_in, 4))
-    return (kernel_covers(spec, kind, d_in, 4, decoupled) is None
-            and _memory_has_linear_layers(spec.memory, probe, d_in))
+    return kernel_covers(spec, d_in, 4) is None and _memory_has_linear_layers(spec.memory, probe, d_in)
 
 
 def deep_kernel_route(spec, state: MemoryState, steps: Steps, *, impl: str, chunk_size: int,

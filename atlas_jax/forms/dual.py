@@ -409,14 +409,11 @@ def kernel_gap(spec, state: MemoryState, steps: Steps, *, chunk_size: int, d_in:
         return "a spec outside the dual form"
     if not keeps_every_chunk_state(state, chunk_size):
         return "a state too large to keep per chunk (the grouped form)"
-    opt_info = inner_opt.info(spec.optimizer)
-    decoupled = spec.retention.decay == "none" or steps.log_decay is None or spec.retention.decoupled
-    d_out = steps.targets.shape[-1]
-    return kernel_covers(spec, opt_info.kind, d_in or steps.inputs.shape[-1], d_out, decoupled)
+    return kernel_covers(spec, d_in or steps.inputs.shape[-1], steps.targets.shape[-1])
 
 
 def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
-                        low_precision: bool = False, interpret=None):
+                        low_precision: bool = False):
     """The split dual form for [B, H, S, ...] steps (padded to a multiple of ``chunk_size``) with
     its sequential pass on the state-pass kernel (``ops.deep_memory.mlp_state_pass``, impl
     "pallas"); ``kernel_gap`` must be None. ``low_precision``: the kernel's dots take bf16
@@ -439,19 +436,17 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
     starts_k, final_k = mlp_state_pass(
         first, a, terms.src_targets, terms.state_rows[..., -1, :], terms.momentum_rows,
         terms.from_start[..., -1], end(terms.state_carry), terms.momentum_carry,
-        activation=spec.memory.activation, residual=spec.memory.residual, impl="pallas",
-        interpret=interpret)
+        activation=spec.memory.activation, residual=spec.memory.residual, impl="pallas")
 
-    def as_state(k, like: MemoryState) -> MemoryState:
-        params = {"W0": k.w0, "W1": k.w1}
-        opt_state = like.opt_state if not momentum else inner_opt.MomentumState({"W0": k.m0, "W1": k.m1})
-        return MemoryState(params, opt_state, None, None)
+    def as_state(k, opt_state) -> MemoryState:
+        if momentum:
+            opt_state = inner_opt.MomentumState({"W0": k.m0, "W1": k.m1})
+        return MemoryState({"W0": k.w0, "W1": k.w1}, opt_state, None, None)
 
-    starts = as_state(starts_k, state)
-    if not momentum:   # the optimizer's state does not change; give it the chunk axis the reads expect
-        starts = starts._replace(opt_state=jax.tree.map(
-            lambda x: jnp.broadcast_to(x[:, :, None], x.shape[:2] + (n_chunks,) + x.shape[2:]), state.opt_state))
-    final = as_state(final_k, state)
+    # Without momentum the optimizer's state does not change: the reads get it per chunk.
+    per_chunk = jax.tree.map(lambda x: jnp.broadcast_to(x[:, :, None], x.shape[:2] + (n_chunks,) + x.shape[2:]),
+                             state.opt_state)
+    starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
     outputs = vmap2(lambda st, fi, tm: _split_reads(spec, st, fi, tm))(starts, final, terms)
     window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
     outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])

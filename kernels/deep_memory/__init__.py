@@ -7,14 +7,10 @@ padding, layout, the custom VJP with its XLA reverse pass): `support.py`. The pu
 at trace time.
 """
 
+from atlas_jax.kernels import lazy_exports
+
 # Imported lazily: importing this package must not pull in Pallas.
 _EXPORTS = {"mlp_state_pass_gpu": "gpu", "MLPGpuBlockSizes": "gpu",
             "mlp_state_pass_tpu": "tpu", "MLPTpuBlockSizes": "tpu"}
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,13 +6,8 @@ table), `tpu_kernels.py`, `tpu_math.py`. Shared, Pallas-free: `support.py` (supp
 normalisation epsilon and the argument checker of every delta-family call).
 """
 
+from atlas_jax.kernels import lazy_exports
+
 # GPU (Pallas, Triton lowering): imported lazily so that importing the package does not pull in
 # jax.experimental.pallas.triton on machines that only use the TPU kernels.
-_GPU_EXPORTS = ("chunk_delta_family_gpu", "GpuBlockSizes")
-
-
-def __getattr__(name):
-    if name in _GPU_EXPORTS:
-        from atlas_jax.kernels.delta_family import gpu
-        return getattr(gpu, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {"chunk_delta_family_gpu": "gpu", "GpuBlockSizes": "gpu"})

@@ -7,14 +7,10 @@ GPU (Pallas, Triton lowering): `gpu.py` (`omega_state_pass_gpu`, `OmegaGpuBlockS
 XLA and loads these kernels at trace time.
 """
 
+from atlas_jax.kernels import lazy_exports
+
 # Imported lazily: importing this package must not pull in Pallas (Triton or Mosaic).
 _EXPORTS = {"omega_state_pass_gpu": "gpu", "OmegaGpuBlockSizes": "gpu",
             "omega_state_pass_tpu": "tpu", "OmegaTpuBlockSizes": "tpu"}
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from atlas_jax import optimizers as inner_opt
 from atlas_jax.memory import ACTIVATIONS, MLPMemory
 from atlas_jax.objectives import L2
 
@@ -163,10 +164,10 @@ def _state_pass_kernel(kernel):
     return mlp_state_pass_gpu
 
 
-def kernel_covers(spec, opt_kind: str, d_in: int, d_out: int, decoupled_point: bool) -> str | None:
-    """Why the state-pass kernel does not run ``spec``'s dual form (None: it does). The dual form
-    decides the rest (which optimizers have chunk-end coefficients, the state budget)."""
-    memory = spec.memory
+def kernel_covers(spec, d_in: int, d_out: int) -> str | None:
+    """Why the state-pass kernel does not run ``spec``'s dual form on a d_in-wide input and d_out
+    outputs (None: it does). The dual form decides the rest (the state budget)."""
+    memory, opt_kind = spec.memory, inner_opt.info(spec.optimizer).kind
     if type(memory) is not MLPMemory or memory.depth != 2 or memory.layernorm:
         return f"a {memory.describe()} memory (the kernel runs a depth-2 MLP without LayerNorm)"
     if memory.residual and d_in != d_out:
@@ -176,9 +177,9 @@ def kernel_covers(spec, opt_kind: str, d_in: int, d_out: int, decoupled_point: b
     if type(spec.objective) is not L2:
         return f"the {spec.objective.describe()} objective (the kernel runs ℓ2)"
     if opt_kind not in ("gd", "implicit_gd", "momentum"):
-        return f"the {opt_kind} optimizer (Newton–Schulz runs in XLA)"
+        return f"the {opt_kind} optimizer (the kernel runs GD and momentum)"
     if spec.retention.has_map:
         return "a retention map"
-    if not decoupled_point:
+    if spec.retention.decay != "none" and not spec.retention.decoupled:
         return "forget-first decay (gradients at the decayed θ)"
     return None
