@@ -376,9 +376,10 @@ class MemoryLayer(nnx.Module):
     family runs through atlas_jax.ops and so the Pallas kernels on GPU/TPU)."""
 
     # On a delta-family op the op applies the gate and β activations to raw inputs (fla's
-    # use_gate_in_kernel / use_beta_sigmoid_in_kernel): one owner of those formulas, and its
-    # backward recomputes them instead of keeping g and β. False keeps them in the layer: the
-    # reference the tests compare the fused layer against.
+    # use_gate_in_kernel / use_beta_sigmoid_in_kernel), and its backward recomputes them instead of
+    # keeping g and β. The layer keeps its own copy for the routes that are not an op (the recurrent
+    # decode step, the core's forms). False keeps them in the layer everywhere: the reference the
+    # tests compare the fused layer against.
     fuse_activations = True
 
     def __init__(self, spec, *, width: int, heads: int, impl: str = "auto", chunk_size: int = 64,
