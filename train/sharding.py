@@ -20,13 +20,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from atlas_jax.models.layers import BATCH_MESH_AXES
+
 from .config import ConfigError, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis name -> mesh axes (tried in order; an axis already used by the array is skipped)
 LOGICAL_AXIS_RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_MESH_AXES),
     ("embed", ("fsdp",)),
     ("vocab", ("tensor",)),
     ("mlp", ("tensor",)),
@@ -111,7 +113,7 @@ def state_shardings(tree, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(("data", "fsdp")))
+    return NamedSharding(mesh, P(BATCH_MESH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -36,7 +36,7 @@ from .config import ConfigError, DistributedConfig, TrainConfig
 from .data import build_dataset
 from .metrics import MetricsWriter, plot_losses
 from .optim import make_optimizer
-from .sharding import batch_sharding, global_batch_array, make_mesh, replicated, state_shardings
+from .sharding import BATCH_MESH_AXES, batch_sharding, global_batch_array, make_mesh, replicated, state_shardings
 
 EXIT_NONFINITE = 3
 # optax.tree.norm where it exists (optax >= 0.2.5 warns about the older name)
@@ -144,7 +144,9 @@ class Trainer:
     def _loss_sums(self, params, batch):
         """(sum of token losses, number of target tokens) of a batch."""
         model = nnx.merge(self.graphdef, params)
-        logits = model(batch["tokens"], batch["segment_ids"])
+        # the mesh in context while tracing: the memory kernels run per batch shard under it
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            logits = model(batch["tokens"], batch["segment_ids"])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
         mask = batch["mask"].astype(jnp.float32)
         return jnp.sum(losses * mask), jnp.sum(mask)
@@ -159,7 +161,7 @@ class Trainer:
         def micro_batches(x):
             # row r*k + j goes to micro-batch j: each micro-batch keeps rows from every batch shard
             x = x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, ("data", "fsdp"))))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, BATCH_MESH_AXES)))
 
         def accumulate(carry, micro):
             loss_sum, count, grads = carry
@@ -280,11 +282,20 @@ def train(cfg: TrainConfig, *, time_budget_s: float | None = None) -> dict:
     stop.install()
     pending, last_record, skipped, exit_reason = [], {}, 0, "done"
     step, last_step, started = start, cfg.steps, time.perf_counter()
+
+    def fetch():
+        """(the loader's state before this batch, the batch on the mesh)."""
+        before = loader.get_state()
+        return before, trainer.put_batch(next(loader))
+
     try:
+        batch = fetch()[1] if step < last_step else None
         while step < last_step:
-            batch = next(loader)
-            state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+            state, metrics = trainer.train_step(state, batch)
             step += 1
+            # the next batch is read and placed while this step runs on the devices; a checkpoint
+            # keeps the loader's state from before it (the batches of steps 1..step consumed)
+            loader_state, batch = fetch() if step < last_step else (loader.get_state(), None)
             pending.append(metrics)
             writer.advance()
             if time_budget_s is not None:
@@ -316,7 +327,7 @@ def train(cfg: TrainConfig, *, time_budget_s: float | None = None) -> dict:
                         raise NonFiniteError(text + f"; stopping (on_nonfinite=stop). Metrics: {writer.path}")
                     writer.message("warning: " + text + " (on_nonfinite=skip)")
             if _due(step, cfg.checkpoint_every, last_step) or stop.requested:
-                checkpointer.save(step, state, loader.get_state(), {"preset": cfg.preset, "size": cfg.size})
+                checkpointer.save(step, state, loader_state, {"preset": cfg.preset, "size": cfg.size})
             if stop.requested:
                 exit_reason = "preempted"
                 writer.message(f"SIGTERM: saved step {step} to {checkpointer.directory}; rerun the same command to resume")

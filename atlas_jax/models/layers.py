@@ -29,10 +29,14 @@ from atlas_jax.memory import LinearMemory
 from atlas_jax.presets import ClosedForm
 from atlas_jax.spec import MemoryState
 
-__all__ = ["DTYPES", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory",
+__all__ = ["DTYPES", "BATCH_MESH_AXES", "per_batch_shard", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory", "packs_documents",
            "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The mesh axes that split a batch's rows (atlas_jax.train's "batch" logical axis maps here too).
+# Under a mesh with these axes the delta-family kernels run on each device's rows (shard_map):
+# XLA's partitioner cannot split a Pallas custom call, and would gather the batch onto every device.
+BATCH_MESH_AXES = ("data", "fsdp")
 # checkpoint_name of the memory layer's recurrence output (remat "dots_and_kernels" keeps it).
 MEMORY_OUTPUT = "memory_output"
 
@@ -65,14 +69,16 @@ def memory_op(spec, impl: str, initial_state=None):
 
 def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None,
                output_final_state: bool = False, feature_params=None, scale: float = 1.0,
-               fused: dict | None = None):
+               fused: dict | None = None, documents: tuple | None = None):
     """The one call into the core: (o [B, T, H, V], final state or None).
 
     The exact delta family goes to atlas_jax.ops directly (the same algorithm MemorySpec's chunked
     form dispatches to) so that bf16 operands reach the Pallas kernels as bf16: MemorySpec casts
     q, k, v to float32 first. ``fused``: fla's activation arguments for that op
     (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel); knobs' g and beta are then
-    the op's raw inputs, so any other route is an error."""
+    the op's raw inputs, so any other route is an error. ``documents``: (segment_ids [B, T],
+    max_documents) of packed rows, only where ``packs_documents`` said yes: each shard's rows
+    become one varlen row for the kernels (``cu_seqlens`` from the segment ids)."""
     op = memory_op(spec, impl, initial_state)
     if fused and op is None:
         raise ValueError(f"run_memory: {sorted(fused)} are arguments of the delta-family ops, which do not "
@@ -82,15 +88,84 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
         return spec(q, k, v, scale=scale, **extra), None
     if op is not None:
         state = None if initial_state is None else initial_state.params["S"]
-        args = (q, k, v, knobs["beta"]) if op.__name__ == "delta_rule" else (q, k, v, knobs.get("g"), knobs["beta"])
-        o, final = op(*args, scale=scale, initial_state=state, output_final_state=output_final_state,
-                      impl=impl, chunk_size=chunk_size, **(fused or {}))
+        rows = {"q": q, "k": k, "v": v, "beta": knobs["beta"], "initial_state": state}
+        if op.__name__ != "delta_rule":
+            rows["g"] = knobs.get("g")
+        if documents is not None:
+            if state is not None or output_final_state:
+                raise ValueError("run_memory: documents (packed rows) start from the zero state and "
+                                 "return no final state; pass initial_state=None, output_final_state=False")
+            rows["segment_ids"] = documents[0]
+
+        def call(rows):
+            rows = dict(rows)
+            cu_seqlens = overflow = None
+            if documents is not None:
+                batch, time = rows["segment_ids"].shape
+                cu_seqlens, overflow = _varlen_offsets(rows.pop("segment_ids"), batch * documents[1])
+                flat = lambda x: None if x is None else x.reshape((1, batch * time) + x.shape[2:])
+                rows = {name: flat(x) for name, x in rows.items()}
+            args = (rows["q"], rows["k"], rows["v"], rows["beta"]) if op.__name__ == "delta_rule" else \
+                (rows["q"], rows["k"], rows["v"], rows["g"], rows["beta"])
+            o, final = op(*args, scale=scale, initial_state=rows["initial_state"], output_final_state=output_final_state,
+                          impl="pallas" if documents is not None else impl, chunk_size=chunk_size,
+                          cu_seqlens=cu_seqlens, **(fused or {}))
+            if documents is not None:
+                # tokens of documents past the static budget would share a state: NaN, loud not wrong
+                o = jnp.where(overflow.reshape(1, -1, 1, 1), jnp.nan, o).reshape((batch, time) + o.shape[2:])
+            return o, final
+
+        o, final = per_batch_shard(call, rows, q.shape[0])
         if final is not None:
             batch, _, heads, d_k = q.shape
             final = spec.init_state(None, batch=batch, heads=heads, d_k=d_k, d_v=v.shape[-1], params={"S": final})
         return o, final
+    if documents is not None:
+        raise ValueError(f"run_memory: documents are packed for the delta-family kernels only, not "
+                         f"{getattr(spec, 'name', spec)!r} with impl={impl!r}")
     return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
                 output_final_state=output_final_state, feature_params=feature_params, scale=scale)
+
+
+def packs_documents(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None) -> bool:
+    """Whether run_memory can take packed documents as one varlen row (``documents=``): the spec
+    runs on a delta-family op whose Pallas kernels this call reaches. The XLA forms take only
+    concrete ``cu_seqlens``; there each document gets its own row (``to_document_rows``)."""
+    from atlas_jax import ops
+    op = memory_op(spec, impl, initial_state)
+    if op is None or initial_state is not None:
+        return False
+    g = None if op.__name__ == "delta_rule" else knobs.get("g")
+    return ops.runs_kernel(op.__name__, q, k, v, knobs["beta"], g, impl=impl, chunk_size=chunk_size)
+
+
+def _varlen_offsets(segment_ids, max_sequences: int):
+    """segment_ids [B, T] -> (cu_seqlens int32 [max_sequences + 1] of the rows laid end to end,
+    every row and every change of segment id starting a sequence (unused ones empty at the end);
+    overflow bool [B·T]: tokens of sequences past max_sequences)."""
+    batch, time = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = starts.reshape(-1)
+    first = jnp.nonzero(starts, size=max_sequences, fill_value=batch * time)[0].astype(jnp.int32)
+    cu_seqlens = jnp.concatenate([first, jnp.full((1,), batch * time, jnp.int32)])
+    overflow = jnp.cumsum(starts.astype(jnp.int32)) > max_sequences
+    return cu_seqlens, overflow
+
+
+def per_batch_shard(fn, rows: dict, batch: int):
+    """fn(rows) with every array of ``rows`` (leading axis: the ``batch`` rows) split over the
+    context mesh's BATCH_MESH_AXES, each device running fn on its own rows; fn(rows) as is
+    outside a mesh. fn's outputs are row-leading arrays (or None). The other mesh axes stay
+    automatic."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in BATCH_MESH_AXES if not mesh.empty and a in mesh.axis_names and mesh.shape[a] > 1)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if not axes or batch % shards:
+        return fn(rows)
+    spec = jax.sharding.PartitionSpec(axes)
+    # check_vma off: Pallas calls carry no varying-axes annotation
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=spec, axis_names=set(axes),
+                         check_vma=False)(rows)
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -529,13 +604,14 @@ class MemoryLayer(nnx.Module):
             knobs["delta"] = jax.nn.softplus(f32(self.delta_proj(x)))
         return knobs
 
-    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False):
+    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None):
         feature_params = None if self.feature_coeffs is None else {"coeffs": self.feature_coeffs[...].astype(jnp.float32)}
         if initial_state is None:
             initial_state = self.theta0()
         return run_memory(self.spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
                           initial_state=initial_state, output_final_state=output_final_state,
-                          feature_params=feature_params, scale=self.scale, fused=self._fused(impl))
+                          feature_params=feature_params, scale=self.scale, fused=self._fused(impl),
+                          documents=documents)
 
     def _out(self, o, x):
         o = checkpoint_name(o, MEMORY_OUTPUT)
@@ -550,6 +626,10 @@ class MemoryLayer(nnx.Module):
         q, k, v, knobs = self._inputs(x, conv_segments)
         if segment_ids is None:
             o, _ = self._run(q, k, v, knobs, impl=self.impl)
+        elif self.max_documents > 1 and packs_documents(self.spec, q, k, v, knobs, impl=self.impl, chunk_size=self.chunk_size,
+                             initial_state=self.theta0()):
+            # the kernels take the documents as one varlen row: B·T tokens of work, not B·M·T
+            o, _ = self._run(q, k, v, knobs, impl=self.impl, documents=(segment_ids, self.max_documents))
         else:
             doc, pos = document_positions(segment_ids)
             rows = lambda y: to_document_rows(y, doc, pos, self.max_documents)

@@ -17,9 +17,10 @@ from atlas_jax.ops.delta_family.api import (
     kda,
     linear_attention,
     run_delta_family,
+    runs_kernel,
 )
 from atlas_jax.ops.omega import omega_linear, omega_linear_chunk, omega_linear_recurrent
 
 __all__ = ["IMPLS", "delta_product", "delta_rule", "gated_delta_rule", "kda",
            "linear_attention", "omega_linear", "omega_linear_chunk", "omega_linear_recurrent",
-           "run_delta_family"]
+           "run_delta_family", "runs_kernel"]

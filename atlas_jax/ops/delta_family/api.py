@@ -142,6 +142,24 @@ def _validate(op, q, k, v, beta, g, *, scale, initial_state, impl, chunk_size, c
     return q, k, v, beta, g, s0, cu, impl, scale, call
 
 
+# what each op hands _validate (the wrappers below pass the same)
+_OP_CHECKS = {"delta_rule": dict(delta=True), "linear_attention": dict(delta=False),
+              "gated_delta_rule": dict(delta=True, gate_ranks=(3,), gate_required=True),
+              "kda": dict(delta=True, gate_ranks=(4,), gate_required=True),
+              "delta_product": dict(delta=True, steps=True)}
+
+
+def runs_kernel(op: str, q, k, v, beta=None, g=None, *, impl="auto", chunk_size=64) -> bool:
+    """Whether ``ops.<op>`` called on these arrays with ``impl`` runs the Pallas kernels (what
+    impl="auto" picks on this backend). Only the kernels take traced ``cu_seqlens``: a model asks
+    this before packing its documents into one varlen row, and lays them out as rows otherwise."""
+    if op not in _OP_CHECKS:
+        raise ValueError(f"runs_kernel: op must be one of {sorted(_OP_CHECKS)}, got {op!r}")
+    chosen = _validate(op, q, k, v, beta, g, scale=None, initial_state=None, impl=impl,
+                       chunk_size=chunk_size, cu_seqlens=None, **_OP_CHECKS[op])[7]
+    return chosen == "pallas"
+
+
 @functools.partial(jax.jit, static_argnames=("channel", "beta_sigmoid", "neg_eigval",
                                              "lower_bound"))
 def _activations(beta, g, A_log, dt_bias, *, channel, beta_sigmoid, neg_eigval, lower_bound):
