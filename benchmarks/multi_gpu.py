@@ -33,14 +33,17 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import log, save_json  # noqa: E402
+from timing import ROOT, import_tree, log, save_json  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}
 
 # Runs `atlas-jax train` in this process, then prints the devices' peak memory (the trainer keeps
 # no memory statistics of its own).
 WORKER = r"""
-import json, sys
+import json, os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+from timing import import_tree
+import_tree()                     # this checkout's atlas_jax (+ .train, .configs), installed or not
 import jax
 from atlas_jax.train.config import load_train_config
 from atlas_jax.train.trainer import train
@@ -52,20 +55,24 @@ print("RESULT " + json.dumps({"devices": len(jax.local_devices()), "kind": jax.d
 """
 
 
-def _env(devices: int, tiny: bool) -> dict:
+def _env(devices: int, tiny: bool, cache: Path) -> dict:
     env = dict(os.environ)
+    # One persistent compilation cache for the preset's runs: a resumed run compiles the same
+    # program as the run it resumes, so only the first of each mesh pays the compile.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
     if tiny:
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(devices))
+        env.setdefault("NCCL_NVLS_ENABLE", "0")    # NVLink multicast can take a shared host's GPUs down
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     return env
 
 
-def _train(overrides, devices, tiny, timeout):
-    proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(overrides)], env=_env(devices, tiny),
-                          capture_output=True, text=True, timeout=timeout)
+def _train(overrides, devices, tiny, timeout, cache):
+    proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(overrides)], env=_env(devices, tiny, cache),
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0 or "RESULT " not in proc.stdout:
         raise RuntimeError(f"train ({devices} device(s), {overrides[-3:]}) failed: {proc.stderr[-1500:]}")
     return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
@@ -103,19 +110,26 @@ def run_preset(preset, args, work: Path):
                 "data.max_documents=200", "compute_dtype=float32"]
         model = {"num_layers": 2}
     else:
+        # lr: the tiny models' 3e-3 makes the 340M loss spike within 20 steps (at a step that bf16
+        # rounding decides, so the runs part by 1e-1); 3e-4 is the order 340M models train at
         base = [f"preset={preset}", "size=340m", f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
-                "compute_dtype=bfloat16", f"remat={args.remat}"]
-        model = dict(json.loads(args.model or "{}"))
+                "compute_dtype=bfloat16", f"remat={args.remat}", f"optim.learning_rate={args.lr}"]
+        # the 340M model as the papers size it (T5's 32K vocabulary) though the built-in BPE uses
+        # fewer ids: the head and its softmax cost what they cost at 340M
+        model = {"vocab_size": 32000, **json.loads(args.model or "{}")}
     if preset == "atlas":    # Newton–Schulz once per chunk: the per-token form does not fit 340M at T4096
         model.setdefault("preset_options", {"ns_every": "chunk"})
     common = [*base, f"model={json.dumps(model)}", f"steps={steps}", "log_every=1", "eval_every=0",
               f"checkpoint_every={half}", "checkpoint.keep=3", "progress=false", "tensorboard=false",
-              "seed=0"]
+              "seed=0", "data.eval_batches=1", *args.extra]
     runs = {"one": (1, ["mesh.data=1"]), "data": (2, ["mesh.data=2"]), "fsdp": (2, ["mesh.data=1", "mesh.fsdp=2"])}
-    out = {"preset": preset, "steps": steps, "runs": {}}
+    runs = {name: runs[name] for name in args.runs.split(",")}
+    out = {"preset": preset, "steps": steps, "global_batch": args.batch_size if not args.tiny else 8,
+           "seq_len": args.seq_len if not args.tiny else 64, "remat": args.remat, "lr": None if args.tiny else args.lr, "model": model, "runs": {}}
+    cache = work / "jax_cache"
     for name, (devices, mesh) in runs.items():
         run_dir = work / preset / name
-        info = _train([*common, *mesh, f"run_dir={run_dir}"], devices, args.tiny, args.timeout)
+        info = _train([*common, *mesh, f"run_dir={run_dir}"], devices, args.tiny, args.timeout, cache)
         records = _records(run_dir)
         rates = [r["tokens_per_s"] for r in records[2:]] or [records[-1]["tokens_per_s"]]
         out["runs"][name] = {"devices": devices, "mesh": mesh, "losses": [r["loss"] for r in records],
@@ -125,14 +139,16 @@ def run_preset(preset, args, work: Path):
             f"{max(info['peak_GB'] or [0]):.1f} GB per device, losses {out['runs'][name]['losses'][:3]} ...")
     one = out["runs"]["one"]["losses"]
     for name in ("data", "fsdp"):
-        out["runs"][name]["max_rel_loss_vs_one"] = _max_rel(out["runs"][name]["losses"], one)
-    out["data_speedup"] = out["runs"]["data"]["tokens_per_s"] / out["runs"]["one"]["tokens_per_s"]
-    out["fsdp_speedup"] = out["runs"]["fsdp"]["tokens_per_s"] / out["runs"]["one"]["tokens_per_s"]
+        if name in out["runs"]:
+            out["runs"][name]["max_rel_loss_vs_one"] = _max_rel(out["runs"][name]["losses"], one)
+            out[f"{name}_speedup"] = out["runs"][name]["tokens_per_s"] / out["runs"]["one"]["tokens_per_s"]
     # Checkpoints across meshes: orbax restores into the new mesh's shardings.
     for name, src, devices, mesh in (("2→1", "data", 1, ["mesh.data=1"]), ("1→2", "one", 2, ["mesh.data=2"])):
+        if not args.resume or src not in out["runs"]:
+            continue
         dst = work / preset / f"resume_{src}"
         _resume_from_half(work / preset / src, dst, half)
-        _train([*common, *mesh, f"run_dir={dst}"], devices, args.tiny, args.timeout)
+        _train([*common, *mesh, f"run_dir={dst}"], devices, args.tiny, args.timeout, cache)
         resumed = [r["loss"] for r in _records(dst) if r["step"] > half]
         reference = out["runs"][src]["losses"][half:]
         out[f"resume {name}"] = {"losses": resumed, "max_rel_vs_uninterrupted": _max_rel(resumed, reference)}
@@ -154,10 +170,30 @@ def table(results):
             rel = f"{r['max_rel_loss_vs_one']:.1e}" if "max_rel_loss_vs_one" in r else "—"
             lines.append(f"| {res['preset']} | {name} | {r['devices']} | {r['tokens_per_s']:.0f} | "
                          f"{max(r['peak_GB_per_device'] or [0]):.1f} | {mfu} | {rel} |")
-        lines.append(f"| {res['preset']} | 2 / 1 device (data, fsdp) | | {res['data_speedup']:.2f}×, "
-                     f"{res['fsdp_speedup']:.2f}× | | | resume 2→1 {res['resume 2→1']['max_rel_vs_uninterrupted']:.1e}, "
-                     f"1→2 {res['resume 1→2']['max_rel_vs_uninterrupted']:.1e} |")
+        ratios = ", ".join(f"{name} {res[f'{name}_speedup']:.2f}×" for name in ("data", "fsdp") if f"{name}_speedup" in res)
+        resumes = ", ".join(f"resume {name} {res[f'resume {name}']['max_rel_vs_uninterrupted']:.1e}"
+                            for name in ("2→1", "1→2") if f"resume {name}" in res)
+        lines.append(f"| {res['preset']} | 2 / 1 device | | {ratios} | | | {resumes or '—'} |")
     return "\n".join(lines)
+
+
+def environment() -> str:
+    """Versions and device of this host, for the table's heading."""
+    import importlib.metadata as md
+    import datetime
+    versions = []
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"):
+        try:
+            versions.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            pass
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        gpus = f"{len(smi)}× {smi[0]}" if smi else "no GPU"
+    except (OSError, subprocess.TimeoutExpired):
+        gpus = "no GPU (nvidia-smi missing)"
+    return f"{gpus}; {', '.join(versions)}; {datetime.date.today().isoformat()}"
 
 
 def main(argv=None):
@@ -167,6 +203,10 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=8, help="global batch, the same for every run")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--remat", default="full")
+    parser.add_argument("--runs", default="one,data,fsdp", help="which of one,data,fsdp (one is needed)")
+    parser.add_argument("--no-resume", dest="resume", action="store_false", help="skip the checkpoint runs")
+    parser.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for every run")
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the 340M runs")
     parser.add_argument("--model", default="", help="JSON overrides of the model (e.g. '{\"scan_layers\": false}')")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per training process")
     parser.add_argument("--tiny", action="store_true", help="dry run on 2 CPU devices at toy shapes")
@@ -174,9 +214,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.steps < 4 or args.steps % 2:
         parser.error("--steps must be an even number >= 4 (the resume runs start at steps / 2)")
+    import_tree()    # this checkout's atlas_jax, for the parameter count (the runs import it themselves)
     work = Path(tempfile.mkdtemp(prefix="multi_gpu_"))
-    results = [run_preset(p, args, work) for p in args.presets.split(",")]
-    text = table(results)
+    results = []
+    for preset in args.presets.split(","):
+        results.append(run_preset(preset, args, work))
+        save_json(results, args.out, "multi_gpu.json")    # what finished survives a later failure
+    text = f"{environment()}\n\n" + "\n\n".join(
+        f"{r['preset']}: global batch {r['global_batch']} × {r['seq_len']} tokens, remat {r['remat']}, lr {r['lr']}, "
+        f"model {json.dumps(r['model'])}, {r['steps']} steps" for r in results) + "\n\n" + table(results)
     log(text)
     out = args.out or os.environ.get("OUT")
     save_json(results, out, "multi_gpu.json")
