@@ -220,6 +220,11 @@ def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype):
     # float32's split-operand dots make a large program: a narrower hidden width compiles faster.
     hidden = 512 if dtype == jnp.bfloat16 else 128
     args = _operands(8, momentum=momentum, B=2, H=3, N=5, n=64, d=128, h=hidden, dv=128, dtype=dtype)
+    if momentum and dtype == jnp.float32:
+        # a documented limit (kernels/deep_memory/gpu.py): a clear error, not Triton's out-of-memory
+        with pytest.raises(NotImplementedError, match="bfloat16"):
+            _states_and_grads("pallas", args, activation="gelu", residual=residual)
+        return
     ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
     got = _states_and_grads("pallas", args, activation="gelu", residual=residual)
     want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual)

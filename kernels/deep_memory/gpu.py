@@ -34,9 +34,12 @@ one, with erf from Abramowitz–Stegun 7.1.26 (`support.erf_as`, absolute error 
 Triton lowering has no erf).
 
 Verification: interpret mode on CPU against the XLA reference (tests/test_deep_memory_kernel.py);
-the `gpu`-marked tests compile it. On an H100 the float32 op tests passed at 1e-5 before the tile
-loops became `fori_loop`s; after that change only bf16 was compared there (titans sizes, 3.5e-3
-of the float32 XLA pass).
+the `gpu`-marked tests compile it. On an H100 (2026-11-25, after the tile loops became
+`fori_loop`s): float32 without momentum (residual MLP, d = dv = h = 128) and bf16 with momentum
+(h 512) equal the XLA pass, states and all gradients (1e-5 and 2e-2 bars). float32 with momentum
+does not fit shared memory (270 KiB asked at block_hidden 32 and one stage, 227 available): the
+call raises NotImplementedError naming the fix (bf16 sources, or impl='chunk'); the default
+block sizes for float32 are block_hidden 32 and one stage (64 and two asked 352 KiB).
 """
 
 from __future__ import annotations
@@ -67,14 +70,17 @@ def _next_pow2(n, least=16):
 class MLPGpuBlockSizes:
     """block_hidden: hidden columns per tile (a power of two >= 16 dividing h padded to a power
     of two; None: min(h, 64)). num_warps: warps per program. num_stages: Triton's software
-    pipelining depth for the loops over hidden tiles (a positive int; 1: no prefetch)."""
+    pipelining depth for the loops over hidden tiles (a positive int; 1: no prefetch; None: 2 for
+    bf16 inputs, 1 for float32, whose two stages of 64-wide tiles ask 352 KiB of shared memory
+    where an H100 has 227)."""
     block_hidden: int | None = None
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int | None = None
 
-    def resolve(self, h):
-        return dataclasses.replace(self, block_hidden=min(h, 64) if self.block_hidden is None
-                                   else self.block_hidden)
+    def resolve(self, h, low: bool):
+        return dataclasses.replace(
+            self, block_hidden=min(h, 64 if low else 32) if self.block_hidden is None else self.block_hidden,
+            num_stages=(2 if low else 1) if self.num_stages is None else self.num_stages)
 
     def check(self, h):
         b = self.block_hidden
@@ -246,11 +252,16 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
         raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPGpuBlockSizes; got "
                         f"{type(bs).__name__}.")
     hp = _next_pow2(state.w0.shape[-1])
-    bs = bs.resolve(hp)
+    bs = bs.resolve(hp, low=a.dtype == jnp.bfloat16)
     bs.check(hp)
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
                block_hidden=bs.block_hidden, num_warps=bs.num_warps, num_stages=bs.num_stages,
                interpret=bool(default_interpret() if interpret is None else interpret))
+    if cfg.momentum and not cfg.low and not cfg.interpret:
+        # H100, d = dv = h = 128: 270 KiB of shared memory asked (227 available) even at
+        # block_hidden 32 and one stage; the float32 momentum copies are not tiled
+        raise NotImplementedError(f"{_FN}: float32 sources with momentum do not fit a GPU's shared memory "
+                                  f"in this kernel; pass `a` (q, k, v) as bfloat16, or use impl='chunk'.")
     padded = tuple(_next_pow2(x) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     return _run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
                 cfg=cfg, padded=padded)
