@@ -51,6 +51,17 @@ out["model_shard_map"] = "shard_map" in jaxpr
 out["loss_rel"] = float(abs(got - ref) / abs(ref))
 out["grad_rel"] = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
                       for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(ref_grad)))
+
+# a deep memory on its state-pass kernel (interpret mode here): also per shard, one device's result
+titans = models.build("titans", "tiny", num_layers=1, vocab_size=64, max_documents=2, impl="pallas",
+                      dtype="float32", rngs=nnx.Rngs(0))
+graphdef, params = nnx.split(titans)
+ref = jax.jit(loss)(params, tokens, segments)
+got = jax.jit(lambda p, t, s: loss(p, t, s, mesh=mesh), in_shardings=(NamedSharding(mesh, P()), rows, rows))(
+    params, tokens, segments)
+jaxpr = str(jax.make_jaxpr(lambda p, t, s: logits(p, t, s, mesh=mesh))(params, tokens, segments))
+out["titans_shard_map"] = "shard_map" in jaxpr
+out["titans_loss_rel"] = float(abs(got - ref) / abs(ref))
 print("RESULT " + json.dumps(out))
 """
 
@@ -67,3 +78,4 @@ def test_delta_family_runs_per_batch_shard_under_a_mesh():
     # the model's memory op went through shard_map, with one device's result (float32 rounding)
     assert out["model_shard_map"]
     assert out["loss_rel"] < 1e-5 and out["grad_rel"] < 1e-5, out
+    assert out["titans_shard_map"] and out["titans_loss_rel"] < 1e-5, out

@@ -123,6 +123,14 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
     if documents is not None:
         raise ValueError(f"run_memory: documents are packed for the delta-family kernels only, not "
                          f"{getattr(spec, 'name', spec)!r} with impl={impl!r}")
+    if impl == "pallas" and not output_final_state and not isinstance(initial_state, MemoryState):
+        # the deep-memory kernels are custom calls too: each device runs its own rows (θ_0 and the
+        # feature coefficients, closed over, are the same on every device)
+        def call(rows):
+            return spec(rows["q"], rows["k"], rows["v"], **rows["knobs"], impl=impl, chunk_size=chunk_size,
+                        initial_state=initial_state, feature_params=feature_params, scale=scale)[0]
+
+        return per_batch_shard(call, {"q": q, "k": k, "v": v, "knobs": knobs}, q.shape[0]), None
     return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
                 output_final_state=output_final_state, feature_params=feature_params, scale=scale)
 
