@@ -183,11 +183,20 @@ class MemorySpec:
     # ---- running -------------------------------------------------------------------------
     def __call__(self, q, k, v, *, beta=None, g=None, nu=None, gamma=None, delta=None,
                  initial_state=None, output_final_state: bool = False, impl: str | None = None,
-                 chunk_size: int | None = None, feature_params=None, scale: float = 1.0, form: str | None = None):
+                 chunk_size: int | None = None, feature_params=None, scale: float = 1.0, form: str | None = None,
+                 restarts=None, valid=None):
         """Run the memory over a sequence: returns (o [B, T, H, V], final MemoryState or None).
 
         ``impl`` / ``chunk_size`` override the spec's fields for this call; ``form`` is the 0.1.0
-        name ("recurrent" | "chunked"), deprecated in favour of ``impl``.
+        name ("recurrent" | "chunked"), deprecated in favour of ``impl``. ``restarts`` [B, T]
+        (bool or 0/1): the memory restarts from ``initial_state`` before each marked token, as if a
+        new sequence began there (packed documents). The recurrent form takes them anywhere; the
+        chunk-start forms at multiples of ``chunk_size`` only (a chunk with a restart inside gives
+        NaN outputs), and the exact delta-family and Omega routes not at all (their ops take
+        ``cu_seqlens``). ``valid`` [B, T] (with restarts): False marks padding between a document's
+        last token and the next restart; it leaves the memory as it is (a chunk-end map or
+        Newton–Schulz acts at the document's last token, as if the document ran alone) and its
+        outputs mean nothing.
         """
         if form is not None:
             if impl is not None:
@@ -209,11 +218,27 @@ class MemorySpec:
                                       "momentum (titans, ttt_mlp). Use impl='chunk' or 'auto'")
         shapes = _check_inputs(self, q, k, v, beta, g, nu, gamma, delta)
         batch, _, heads, d_k, d_v, n = shapes
+        if valid is not None and restarts is None:
+            raise ValueError("MemorySpec: valid marks the padding between restarted documents; pass restarts too")
+        if restarts is not None:
+            if jnp.shape(restarts) != q.shape[:2]:
+                raise ValueError(f"MemorySpec: restarts must be [B, T] = {q.shape[:2]} like q's first two axes, "
+                                 f"got {jnp.shape(restarts)}")
+            if valid is not None and jnp.shape(valid) != q.shape[:2]:
+                raise ValueError(f"MemorySpec: valid must be [B, T] = {q.shape[:2]} like q's first two axes, "
+                                 f"got {jnp.shape(valid)}")
+            if n > 1:
+                raise NotImplementedError("MemorySpec: restarts with several inner steps per token are not "
+                                          "supported; give each sequence its own row")
+            if output_final_state and self.window > 1 and impl != "recurrent":
+                raise NotImplementedError("MemorySpec: restarts with an Omega window and output_final_state run "
+                                          "with impl='recurrent' (the chunked form rebuilds the final window "
+                                          "from the last c - 1 tokens, across a restart)")
         state = self._coerce_state(initial_state, batch, heads, d_k, d_v)
         if feature_params is None:
             feature_params = self.feature_map.init_params()
         o, final = _run(self, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
-                        impl=impl, chunk_size=chunk_size, steps=n)
+                        impl=impl, chunk_size=chunk_size, steps=n, restarts=restarts, valid=valid)
         return o.astype(v.dtype), (final if output_final_state else None)
 
     def _coerce_state(self, initial_state, batch, heads, d_k, d_v) -> MemoryState:
@@ -339,7 +364,8 @@ def _check_impl(where, impl, chunk_size):
 
 
 @partial(jax.jit, static_argnames=("spec", "impl", "chunk_size", "steps"))
-def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, impl, chunk_size, steps):
+def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, impl, chunk_size, steps,
+         restarts=None, valid=None):
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     # The exact family hands q, k, v to the ops as given (bf16 stays bf16 for the kernels, which
     # keep gates, solves and states in float32); every other path computes in float32.
@@ -357,6 +383,13 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     if impl != "recurrent" and is_omega_exact(spec) and not channel_beta and steps == 1:
         omega_route = omega_impl(spec, impl, spec.feature_dim(q.shape[-1]))
     omega_path = omega_route is not None
+    if restarts is not None and impl == "pallas":
+        raise NotImplementedError("MemorySpec: restarts have no kernel path; use impl='chunk' or 'auto' "
+                                  "(or give each sequence its own row)")
+    if restarts is not None and (exact_path or omega_path):
+        raise NotImplementedError(f"MemorySpec: restarts run in the recurrent and chunk-start forms; "
+                                  f"{spec.name!r} takes the exact {'delta-family' if exact_path else 'Omega'} "
+                                  f"route, whose ops take cu_seqlens (or give each sequence its own row)")
     as_given = exact_path and q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating)
     low_precision = q.dtype == k.dtype == jnp.bfloat16
     if not as_given:
@@ -400,8 +433,11 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         g_steps = to_steps(jnp.where(mask, jnp.broadcast_to(g[:, :, :, None], (batch, time, heads, n) + g.shape[3:]), 0.0))
     steps_bsh = Steps(inputs=to_steps(fk), targets=to_steps(v), queries=per_step(fq), step_size=beta_steps,
                       log_decay=g_steps, momentum_decay=per_step(nu), gates=per_step(gamma),
-                      delta=per_step(delta), active=jnp.ones((batch, time * n, heads), jnp.float32),
-                      window_gates=per_step(window_gates))
+                      delta=per_step(delta), active=jnp.ones((batch, time * n, heads), jnp.float32) if valid is None else jnp.broadcast_to(
+                          jnp.asarray(valid, jnp.float32)[:, :, None], (batch, time, heads)),
+                      window_gates=per_step(window_gates),
+                      restart=None if restarts is None else jnp.broadcast_to(
+                          jnp.asarray(restarts, jnp.float32)[:, :, None], (batch, time, heads)))
     emit = slice(n - 1, None, n)
 
     if exact_path:

@@ -20,7 +20,8 @@ def _loss(params, graphdef, tokens, segments):
     return jnp.sum(nnx.merge(graphdef, params)(tokens, segments) ** 2) * 1e-3
 
 
-@pytest.mark.parametrize("preset", ["gated_deltanet", "kda"])
+# kda's channel gate through the varlen kernels is also tests/test_kernels_gpu.py's (op level)
+@pytest.mark.parametrize("preset", ["gated_deltanet", pytest.param("kda", marks=pytest.mark.slow)])
 def test_varlen_kernels_equal_document_rows(preset, monkeypatch):
     packed = []
     monkeypatch.setattr(layers, "_varlen_offsets", lambda *a: packed.append(a) or _varlen_offsets(*a))

@@ -42,7 +42,8 @@ import optax
 
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, channel_extra_args, channel_tree,
-                                    decay_matrix, optimizer_extra_args, safe_log, window_gradient)
+                                    decay_matrix, optimizer_extra_args, restarting_chunks, safe_log,
+                                    window_gradient)
 from atlas_jax.memory import LinearMemory
 from atlas_jax.retention import decay_tree
 from atlas_jax.objectives import L2, Dot
@@ -468,5 +469,5 @@ def _materialising_sequence(spec, state: MemoryState, steps: Steps, *, chunk_siz
         return new_state, outputs
 
     # Rematerialised per chunk: the backward pass keeps only the chunk-boundary states.
-    final, outputs = jax.lax.scan(jax.checkpoint(one_chunk), state, chunks)
+    final, outputs = jax.lax.scan(jax.checkpoint(restarting_chunks(one_chunk, state)), state, chunks)
     return final, outputs.reshape((n_chunks * b,) + outputs.shape[2:])

@@ -25,6 +25,27 @@ class Steps(NamedTuple):
     active: jax.Array            # 1 for real steps, 0 for padding  [S]
     window_gates: jax.Array | None = None   # γ^{(t)}: step t's weight of each window position,
                                             # oldest first  [S, c]; None = all ones
+    restart: jax.Array | None = None        # 1 where the memory restarts from its initial state
+                                            # before the step (a new packed document)  [S]; None = never
+
+
+def restarted(carry, initial, restart):
+    """``carry``, or the ``initial`` state (θ_0, the optimizer's first state, an empty window)
+    where the scalar ``restart`` is set."""
+    return jax.tree.map(lambda c, i: jnp.where(restart > 0, i, c), carry, initial)
+
+
+def restarting_chunks(one_chunk, initial):
+    """A chunk-scan body that starts a chunk from ``initial`` where its first step restarts. The
+    chunk-start forms restart only at chunk boundaries: a chunk with a restart inside gives NaN
+    outputs (loud, not wrong)."""
+    def body(carry, xc: Steps):
+        if xc.restart is None:
+            return one_chunk(carry, xc)
+        new_state, outputs = one_chunk(restarted(carry, initial, xc.restart[0]), xc)
+        inside = jnp.any(xc.restart[1:] > 0)
+        return new_state, jnp.where(inside, jnp.nan, outputs)
+    return body
 
 
 class Features:

@@ -53,6 +53,7 @@ from atlas_jax.forms.common import (
     Steps,
     WindowCache,
     decay_matrix,
+    restarting_chunks,
     safe_log,
 )
 
@@ -333,7 +334,8 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
 
-    chunk = jax.checkpoint(lambda carry, xc: _one_chunk(spec, opt_info, features, carry, xc))
+    chunk = jax.checkpoint(restarting_chunks(lambda carry, xc: _one_chunk(spec, opt_info, features, carry, xc),
+                                             state))
     if per_group == 1:
         chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
         final, outputs = jax.lax.scan(chunk, state, chunks)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from atlas_jax.forms.common import (MemoryState, Steps, WindowCache, channel_extra_args, optimizer_extra_args,
-                                    tree_add, window_gradient)
+                                    restarted, tree_add, window_gradient)
 from atlas_jax.retention import decay_tree
 
 __all__ = ["recurrent_sequence", "inner_step"]
@@ -72,4 +72,6 @@ def inner_step(spec, state: MemoryState, x: Steps):
 
 def recurrent_sequence(spec, state: MemoryState, steps: Steps):
     """Scan ``inner_step`` over all steps of one sequence; returns (final state, outputs [S, d_out])."""
-    return jax.lax.scan(lambda s, x: inner_step(spec, s, x), state, steps)
+    if steps.restart is None:
+        return jax.lax.scan(lambda s, x: inner_step(spec, s, x), state, steps)
+    return jax.lax.scan(lambda s, x: inner_step(spec, restarted(s, state, x.restart), x), state, steps)

@@ -29,7 +29,8 @@ from atlas_jax.memory import LinearMemory
 from atlas_jax.presets import ClosedForm
 from atlas_jax.spec import MemoryState
 
-__all__ = ["DTYPES", "BATCH_MESH_AXES", "per_batch_shard", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory", "packs_documents",
+__all__ = ["DTYPES", "BATCH_MESH_AXES", "per_batch_shard", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory", "packs_documents", "takes_restarts",
+           "chunk_aligned_layout", "to_chunk_aligned", "from_chunk_aligned",
            "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -69,7 +70,7 @@ def memory_op(spec, impl: str, initial_state=None):
 
 def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None,
                output_final_state: bool = False, feature_params=None, scale: float = 1.0,
-               fused: dict | None = None, documents: tuple | None = None):
+               fused: dict | None = None, documents: tuple | None = None, restarts=None):
     """The one call into the core: (o [B, T, H, V], final state or None).
 
     The exact delta family goes to atlas_jax.ops directly (the same algorithm MemorySpec's chunked
@@ -78,7 +79,8 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
     (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel); knobs' g and beta are then
     the op's raw inputs, so any other route is an error. ``documents``: (segment_ids [B, T],
     max_documents) of packed rows, only where ``packs_documents`` said yes: each shard's rows
-    become one varlen row for the kernels (``cu_seqlens`` from the segment ids)."""
+    become one varlen row for the kernels (``cu_seqlens`` from the segment ids). ``restarts``
+    (restarts, valid), both [B, T]: MemorySpec's, where ``takes_restarts`` said yes."""
     op = memory_op(spec, impl, initial_state)
     if fused and op is None:
         raise ValueError(f"run_memory: {sorted(fused)} are arguments of the delta-family ops, which do not "
@@ -123,6 +125,10 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
     if documents is not None:
         raise ValueError(f"run_memory: documents are packed for the delta-family kernels only, not "
                          f"{getattr(spec, 'name', spec)!r} with impl={impl!r}")
+    if restarts is not None:
+        return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
+                    output_final_state=output_final_state, feature_params=feature_params, scale=scale,
+                    restarts=restarts[0], valid=restarts[1])
     if impl == "pallas" and not output_final_state and not isinstance(initial_state, MemoryState):
         # the deep-memory kernels are custom calls too: each device runs its own rows (θ_0 and the
         # feature coefficients, closed over, are the same on every device)
@@ -207,6 +213,57 @@ def to_document_rows(x, doc, pos, max_documents: int):
     b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
     rows = rows.at[b, doc, pos].set(x, mode="drop")
     return rows.reshape((batch * max_documents, time) + x.shape[2:])
+
+
+def takes_restarts(spec, impl: str) -> bool:
+    """Whether ``spec`` runs packed documents in one row with restarts (MemorySpec's ``restarts``):
+    the recurrent form, and the chunk-start forms (dual and materialising) on XLA. The exact
+    delta-family and Omega routes and the kernels take document rows instead."""
+    from atlas_jax.forms.chunked import is_exact, is_omega_exact
+    if isinstance(spec, ClosedForm) or impl == "pallas" or spec.steps > 1:
+        return False
+    return impl == "recurrent" or not (is_exact(spec) or is_omega_exact(spec))
+
+
+def chunk_aligned_layout(doc, pos, chunk_size: int, max_documents: int):
+    """Packed rows -> rows where every document starts on a chunk boundary (zeros pad each to a
+    multiple of ``chunk_size``), so a chunk-start form restarts exactly where a document does.
+
+    Returns (dest [B, T] each token's position in the new rows, length T' (a multiple of
+    ``chunk_size``, room for max_documents documents), restarts [B, T'] at each document's first
+    position, valid [B, T'] on the documents' tokens (False on the padding), overflow [B, T]:
+    tokens of documents past max_documents). T' ≤ T + M·(C − 1), where
+    one row per document (``to_document_rows``) costs M·T."""
+    batch, time = doc.shape
+    c, m = chunk_size, max_documents
+    clipped = jnp.minimum(doc, m - 1)
+    b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
+    lengths = jnp.zeros((batch, m), jnp.int32).at[b, clipped].add(1)
+    padded = (lengths + c - 1) // c * c
+    offsets = jnp.cumsum(padded, axis=1) - padded                          # [B, M]
+    length = -(-(time + m * (c - 1)) // c) * c
+    overflow = doc >= m
+    dest = jnp.where(overflow, length, offsets[b, clipped] + pos)            # out of range: dropped
+    starts = jnp.where(lengths > 0, offsets, length)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, m))
+    restarts = jnp.zeros((batch, length), bool).at[rows, starts].set(True, mode="drop")
+    valid = jnp.zeros((batch, length), bool).at[b, dest].set(True, mode="drop")
+    return dest, length, restarts, valid, overflow
+
+
+def to_chunk_aligned(x, dest, length: int):
+    """[B, T, ...] -> [B, T', ...] by ``chunk_aligned_layout``'s dest (zeros between documents)."""
+    batch, time = dest.shape
+    b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
+    return jnp.zeros((batch, length) + x.shape[2:], x.dtype).at[b, dest].set(x, mode="drop")
+
+
+def from_chunk_aligned(y, dest, overflow):
+    """Inverse of ``to_chunk_aligned``; tokens of documents past max_documents become NaN."""
+    batch, time = dest.shape
+    b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
+    out = y[b, jnp.minimum(dest, y.shape[1] - 1)]
+    return jnp.where(overflow.reshape(overflow.shape + (1,) * (out.ndim - 2)), jnp.nan, out)
 
 
 def from_document_rows(y, doc, pos, max_documents: int):
@@ -612,14 +669,15 @@ class MemoryLayer(nnx.Module):
             knobs["delta"] = jax.nn.softplus(f32(self.delta_proj(x)))
         return knobs
 
-    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None):
+    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None,
+             restarts=None):
         feature_params = None if self.feature_coeffs is None else {"coeffs": self.feature_coeffs[...].astype(jnp.float32)}
         if initial_state is None:
             initial_state = self.theta0()
         return run_memory(self.spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
                           initial_state=initial_state, output_final_state=output_final_state,
                           feature_params=feature_params, scale=self.scale, fused=self._fused(impl),
-                          documents=documents)
+                          documents=documents, restarts=restarts)
 
     def _out(self, o, x):
         o = checkpoint_name(o, MEMORY_OUTPUT)
@@ -638,6 +696,16 @@ class MemoryLayer(nnx.Module):
                              initial_state=self.theta0()):
             # the kernels take the documents as one varlen row: B·T tokens of work, not B·M·T
             o, _ = self._run(q, k, v, knobs, impl=self.impl, documents=(segment_ids, self.max_documents))
+        elif self.max_documents > 1 and takes_restarts(self.spec, self.impl):
+            # documents on chunk boundaries of one row, the memory restarting at each: about
+            # T + M·C tokens of work per row instead of M·T
+            doc, pos = document_positions(segment_ids)
+            dest, length, restarts, valid, overflow = chunk_aligned_layout(doc, pos, self.chunk_size,
+                                                                           self.max_documents)
+            aligned = lambda y: to_chunk_aligned(y, dest, length)
+            o, _ = self._run(aligned(q), aligned(k), aligned(v), jax.tree.map(aligned, knobs), impl=self.impl,
+                             restarts=(restarts, valid))
+            o = from_chunk_aligned(o, dest, overflow)
         else:
             doc, pos = document_positions(segment_ids)
             rows = lambda y: to_document_rows(y, doc, pos, self.max_documents)
