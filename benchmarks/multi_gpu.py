@@ -7,10 +7,10 @@ between meshes.
         --no-resume --extra data.eval_fraction=0.1      # the throughput pair alone
 
 Budget: a 340M gated_deltanet run (B8 T4096) takes about 50 s with its compile on an H100, the
-whole preset (five runs) 4.5 min. The 340M atlas (Newton–Schulz once per chunk) costs about 18x
-gated_deltanet's FLOPs per token per layer (XLA cost analysis, B4 T512: 3.65 vs 0.20 TFLOP for one
-layer's forward and backward): its one-GPU run at B4 T512 did not finish in 150 s; use a smaller
---batch-size / --seq-len for it and state the shape.
+whole preset (five runs) 4.5 min. The 340M atlas (Newton–Schulz once per chunk, on [d_φ, h]
+momenta every chunk of every head and layer) is far dearer: its one-GPU run at B4 T512 did not
+finish compiling and 20 steps in 150 s; use a smaller --batch-size / --seq-len for it and state
+the shape.
 
 For each preset (340M, bf16 compute, float32 master weights, the same global batch and seed), every
 run is `atlas-jax train` in its own process, restricted to its devices (CUDA_VISIBLE_DEVICES; on
