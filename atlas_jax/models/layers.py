@@ -125,18 +125,23 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
     if documents is not None:
         raise ValueError(f"run_memory: documents are packed for the delta-family kernels only, not "
                          f"{getattr(spec, 'name', spec)!r} with impl={impl!r}")
-    if restarts is not None:
-        return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
-                    output_final_state=output_final_state, feature_params=feature_params, scale=scale,
-                    restarts=restarts[0], valid=restarts[1])
-    if impl == "pallas" and not output_final_state and not isinstance(initial_state, MemoryState):
-        # the deep-memory kernels are custom calls too: each device runs its own rows (θ_0 and the
-        # feature coefficients, closed over, are the same on every device)
-        def call(rows):
-            return spec(rows["q"], rows["k"], rows["v"], **rows["knobs"], impl=impl, chunk_size=chunk_size,
-                        initial_state=initial_state, feature_params=feature_params, scale=scale)[0]
+    if not output_final_state and not isinstance(initial_state, MemoryState):
+        # The deep-memory and Omega kernels are custom calls too (impl "pallas", or "auto" on a
+        # GPU/TPU): each device runs its own rows; the XLA forms lose nothing by it. θ_0 and the
+        # feature coefficients, closed over, are the same on every device.
+        rows = {"q": q, "k": k, "v": v, "knobs": knobs}
+        if restarts is not None:
+            rows["restarts"], rows["valid"] = restarts
 
-        return per_batch_shard(call, {"q": q, "k": k, "v": v, "knobs": knobs}, q.shape[0]), None
+        def call(rows):
+            extra = {} if restarts is None else {"restarts": rows["restarts"], "valid": rows["valid"]}
+            return spec(rows["q"], rows["k"], rows["v"], **rows["knobs"], impl=impl, chunk_size=chunk_size,
+                        initial_state=initial_state, feature_params=feature_params, scale=scale, **extra)[0]
+
+        return per_batch_shard(call, rows, q.shape[0]), None
+    if restarts is not None:
+        raise ValueError("run_memory: restarts (packed documents) start every document from θ_0 and return "
+                         "no final state; pass initial_state=None, output_final_state=False")
     return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
                 output_final_state=output_final_state, feature_params=feature_params, scale=scale)
 
