@@ -431,13 +431,12 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     if g is not None:   # the decay acts once per token, on its first inner step
         mask = first.reshape((1, 1, 1, n) + (1,) * (g.ndim - 3))
         g_steps = to_steps(jnp.where(mask, jnp.broadcast_to(g[:, :, :, None], (batch, time, heads, n) + g.shape[3:]), 0.0))
+    per_head = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32)[:, :, None], (batch, time, heads))
+    active = jnp.ones((batch, time * n, heads), jnp.float32) if valid is None else per_head(valid)
     steps_bsh = Steps(inputs=to_steps(fk), targets=to_steps(v), queries=per_step(fq), step_size=beta_steps,
                       log_decay=g_steps, momentum_decay=per_step(nu), gates=per_step(gamma),
-                      delta=per_step(delta), active=jnp.ones((batch, time * n, heads), jnp.float32) if valid is None else jnp.broadcast_to(
-                          jnp.asarray(valid, jnp.float32)[:, :, None], (batch, time, heads)),
-                      window_gates=per_step(window_gates),
-                      restart=None if restarts is None else jnp.broadcast_to(
-                          jnp.asarray(restarts, jnp.float32)[:, :, None], (batch, time, heads)))
+                      delta=per_step(delta), active=active, window_gates=per_step(window_gates),
+                      restart=None if restarts is None else per_head(restarts))
     emit = slice(n - 1, None, n)
 
     if exact_path:

@@ -31,7 +31,7 @@ from atlas_jax.spec import MemoryState
 
 __all__ = ["DTYPES", "BATCH_MESH_AXES", "per_batch_shard", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory", "packs_documents", "takes_restarts",
            "chunk_aligned_layout", "to_chunk_aligned", "from_chunk_aligned",
-           "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
+           "document_starts", "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The mesh axes that split a batch's rows (atlas_jax.train's "batch" logical axis maps here too).
@@ -163,8 +163,7 @@ def _varlen_offsets(segment_ids, max_sequences: int):
     every row and every change of segment id starting a sequence (unused ones empty at the end);
     overflow bool [B·T]: tokens of sequences past max_sequences)."""
     batch, time = segment_ids.shape
-    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    starts = starts.reshape(-1)
+    starts = document_starts(segment_ids).reshape(-1)
     first = jnp.nonzero(starts, size=max_sequences, fill_value=batch * time)[0].astype(jnp.int32)
     cu_seqlens = jnp.concatenate([first, jnp.full((1,), batch * time, jnp.int32)])
     overflow = jnp.cumsum(starts.astype(jnp.int32)) > max_sequences
@@ -197,11 +196,17 @@ def _inverse_softplus(y):
 
 
 # ---- packed documents ---------------------------------------------------------------------------
+def document_starts(segment_ids):
+    """bool [B, T]: where a document begins (each row's first token, every change of segment id)."""
+    return jnp.concatenate([jnp.ones(segment_ids.shape[:1] + (1,), bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def document_positions(segment_ids):
     """(document index within the row, position within the document), both [B, T] int32.
     A document is a maximal run of equal segment ids."""
     batch, time = segment_ids.shape
-    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = document_starts(segment_ids)
     doc = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1
     t = jnp.broadcast_to(jnp.arange(time, dtype=jnp.int32), (batch, time))
     start_of_doc = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)

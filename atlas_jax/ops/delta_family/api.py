@@ -142,24 +142,6 @@ def _validate(op, q, k, v, beta, g, *, scale, initial_state, impl, chunk_size, c
     return q, k, v, beta, g, s0, cu, impl, scale, call
 
 
-# what each op hands _validate (the wrappers below pass the same)
-_OP_CHECKS = {"delta_rule": dict(delta=True), "linear_attention": dict(delta=False),
-              "gated_delta_rule": dict(delta=True, gate_ranks=(3,), gate_required=True),
-              "kda": dict(delta=True, gate_ranks=(4,), gate_required=True),
-              "delta_product": dict(delta=True, steps=True)}
-
-
-def runs_kernel(op: str, q, k, v, beta=None, g=None, *, impl="auto", chunk_size=64) -> bool:
-    """Whether ``ops.<op>`` called on these arrays with ``impl`` runs the Pallas kernels (what
-    impl="auto" picks on this backend). Only the kernels take traced ``cu_seqlens``: a model asks
-    this before packing its documents into one varlen row, and lays them out as rows otherwise."""
-    if op not in _OP_CHECKS:
-        raise ValueError(f"runs_kernel: op must be one of {sorted(_OP_CHECKS)}, got {op!r}")
-    chosen = _validate(op, q, k, v, beta, g, scale=None, initial_state=None, impl=impl,
-                       chunk_size=chunk_size, cu_seqlens=None, **_OP_CHECKS[op])[7]
-    return chosen == "pallas"
-
-
 @functools.partial(jax.jit, static_argnames=("channel", "beta_sigmoid", "neg_eigval",
                                              "lower_bound"))
 def _activations(beta, g, A_log, dt_bias, *, channel, beta_sigmoid, neg_eigval, lower_bound):
@@ -245,6 +227,24 @@ def run_delta_family(q, k, v, beta, g=None, *, delta: bool = True, scale=None,
                    safe_gate=safe_gate, lower_bound=lower_bound)
 
 
+# what each public op checks its arguments with (_validate's keywords): the ops and runs_kernel read it
+_OP_CHECKS = {"delta_rule": dict(delta=True), "linear_attention": dict(delta=False),
+              "gated_delta_rule": dict(delta=True, gate_ranks=(3,), gate_required=True),
+              "kda": dict(delta=True, gate_ranks=(4,), gate_required=True),
+              "delta_product": dict(delta=True, steps=True)}
+
+
+def runs_kernel(op: str, q, k, v, beta=None, g=None, *, impl="auto", chunk_size=64) -> bool:
+    """Whether ``ops.<op>`` called on these arrays with ``impl`` runs the Pallas kernels (what
+    impl="auto" picks on this backend). Only the kernels take traced ``cu_seqlens``: a model asks
+    this before packing its documents into one varlen row, and lays them out as rows otherwise."""
+    if op not in _OP_CHECKS:
+        raise ValueError(f"runs_kernel: op must be one of {sorted(_OP_CHECKS)}, got {op!r}")
+    chosen = _validate(op, q, k, v, beta, g, scale=None, initial_state=None, impl=impl,
+                       chunk_size=chunk_size, cu_seqlens=None, **_OP_CHECKS[op])[7]
+    return chosen == "pallas"
+
+
 def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_state, impl,
             chunk_size, cu_seqlens, use_qk_l2norm_in_kernel, gate_ranks=(3, 4),
             gate_required=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -292,7 +292,7 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
     Returns:
       (o [B, T, HV, V] in v.dtype, final state [B or N, HV, K, V] float32 or None).
     """
-    return _run_op("delta_rule", q, k, v, beta, None, delta=True, scale=scale,
+    return _run_op("delta_rule", q, k, v, beta, None, **_OP_CHECKS["delta_rule"], scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -311,11 +311,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
     use_gate_in_kernel=True the raw input of g = -exp(A_log) * softplus(g + dt_bias), A_log and
     dt_bias [HV]), as fla's chunk_gated_delta_rule.
     """
-    return _run_op("gated_delta_rule", q, k, v, beta, g, delta=True, scale=scale,
+    return _run_op("gated_delta_rule", q, k, v, beta, g, **_OP_CHECKS["gated_delta_rule"], scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_ranks=(3,),
-                   gate_required=True, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                    allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
 
@@ -331,11 +331,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) with a lower_bound; A_log [HV], dt_bias
     [HV * K]), as fla's chunk_kda.
     """
-    return _run_op("kda", q, k, v, beta, g, delta=True, scale=scale,
+    return _run_op("kda", q, k, v, beta, g, **_OP_CHECKS["kda"], scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_ranks=(4,),
-                   gate_required=True, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                    allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
                    safe_gate=safe_gate, lower_bound=lower_bound)
@@ -349,7 +349,7 @@ def linear_attention(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
     g is None (linear attention), [B, T, H] (RetNet with a constant, Mamba2) or [B, T, H, K]
     (GLA); beta [B, T, H] or None (1.0). Other arguments and returns as `delta_rule`.
     """
-    return _run_op("linear_attention", q, k, v, beta, g, delta=False, scale=scale,
+    return _run_op("linear_attention", q, k, v, beta, g, **_OP_CHECKS["linear_attention"], scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state,
                    impl=impl, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -371,7 +371,7 @@ def delta_product(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     """
     q, k, v, beta, g, s0, cu, impl, scale, _ = _validate(
         "delta_product", q, k, v, beta, g, scale=scale, initial_state=initial_state, impl=impl,
-        chunk_size=chunk_size, cu_seqlens=cu_seqlens, delta=True, steps=True)
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens, **_OP_CHECKS["delta_product"])
     B, T, H, n, K = k.shape
     V = v.shape[-1]
 
