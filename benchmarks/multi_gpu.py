@@ -7,10 +7,11 @@ between meshes.
         --no-resume --extra data.eval_fraction=0.1      # the throughput pair alone
 
 Budget: a 340M gated_deltanet run (B8 T4096) takes about 50 s with its compile on an H100, the
-whole preset (five runs) 4.5 min. The 340M atlas (Newton–Schulz once per chunk, on [d_φ, h]
-momenta every chunk of every head and layer) is far dearer: its one-GPU run at B4 T512 did not
-finish compiling and 20 steps in 150 s; use a smaller --batch-size / --seq-len for it and state
-the shape.
+whole preset (five runs) 4.5 min. The 340M atlas is far dearer per token: Newton–Schulz on the
+[d_φ=2145, h=256] momenta of every head, layer and chunk (polynomial features of degree 2 on 64-wide
+heads) makes it about 25× gated_deltanet's FLOPs per token; jitted forward + backward runs ~600
+tokens/s on an H200 (B4 T512: 3.4 s a step, compile 24 s). Give it its own shape, e.g.
+--shape atlas=4x512, and state it.
 
 For each preset (340M, bf16 compute, float32 master weights, the same global batch and seed), every
 run is `atlas-jax train` in its own process, restricted to its devices (CUDA_VISIBLE_DEVICES; on
@@ -79,8 +80,13 @@ def _env(devices: int, tiny: bool, cache: Path) -> dict:
 
 
 def _train(overrides, devices, tiny, timeout, cache):
-    proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(overrides)], env=_env(devices, tiny, cache),
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    try:
+        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(overrides)], env=_env(devices, tiny, cache),
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-1500:]
+        raise RuntimeError(f"train ({devices} device(s), {overrides[-3:]}) ran past --timeout {timeout:.0f} s: "
+                           f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}") from None
     if proc.returncode != 0 or "RESULT " not in proc.stdout:
         raise RuntimeError(f"train ({devices} device(s), {overrides[-3:]}) failed: {proc.stderr[-1500:]}")
     return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
@@ -111,8 +117,19 @@ def flop_params(preset: str, size: str, model: dict) -> int:
     return n if cfg.tie_embeddings else n - cfg.vocab_size * cfg.width
 
 
+def _shape(preset, args):
+    """(global batch, seq_len) of a preset: --shape PRESET=BxT, else --batch-size × --seq-len."""
+    for item in args.shape:
+        name, _, bt = item.partition("=")
+        if name == preset:
+            b, _, t = bt.partition("x")
+            return int(b), int(t)
+    return args.batch_size, args.seq_len
+
+
 def run_preset(preset, args, work: Path):
     steps, half = args.steps, args.steps // 2
+    batch_size, seq_len = _shape(preset, args)
     if args.tiny:
         base = [f"preset={preset}", "size=tiny", "seq_len=64", "batch_size=8", "data.tokenizer=byte",
                 "data.max_documents=200", "compute_dtype=float32"]
@@ -120,7 +137,7 @@ def run_preset(preset, args, work: Path):
     else:
         # lr: the tiny models' 3e-3 makes the 340M loss spike within 20 steps (at a step that bf16
         # rounding decides, so the runs part by 1e-1); 3e-4 is the order 340M models train at
-        base = [f"preset={preset}", "size=340m", f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
+        base = [f"preset={preset}", "size=340m", f"seq_len={seq_len}", f"batch_size={batch_size}",
                 "compute_dtype=bfloat16", f"remat={args.remat}", f"optim.learning_rate={args.lr}"]
         # the 340M model as the papers size it (T5's 32K vocabulary) though the built-in BPE uses
         # fewer ids: the head and its softmax cost what they cost at 340M
@@ -132,8 +149,8 @@ def run_preset(preset, args, work: Path):
               "seed=0", "data.eval_batches=1", *args.extra]
     runs = {"one": (1, ["mesh.data=1"]), "data": (2, ["mesh.data=2"]), "fsdp": (2, ["mesh.data=1", "mesh.fsdp=2"])}
     runs = {name: runs[name] for name in args.runs.split(",")}
-    out = {"preset": preset, "steps": steps, "global_batch": args.batch_size if not args.tiny else 8,
-           "seq_len": args.seq_len if not args.tiny else 64, "remat": args.remat, "lr": None if args.tiny else args.lr, "model": model, "runs": {}}
+    out = {"preset": preset, "steps": steps, "global_batch": batch_size if not args.tiny else 8,
+           "seq_len": seq_len if not args.tiny else 64, "remat": args.remat, "lr": None if args.tiny else args.lr, "model": model, "runs": {}}
     cache = work / "jax_cache"
     for name, (devices, mesh) in runs.items():
         run_dir = work / preset / name
@@ -210,6 +227,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8, help="global batch, the same for every run")
     parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--shape", nargs="*", default=[], metavar="PRESET=BxT",
+                        help="a preset's own global batch and length (e.g. atlas=4x512)")
     parser.add_argument("--remat", default="full")
     parser.add_argument("--runs", default="one,data,fsdp", help="which of one,data,fsdp (one is needed)")
     parser.add_argument("--no-resume", dest="resume", action="store_false", help="skip the checkpoint runs")

@@ -19,7 +19,7 @@ from atlas_jax.models.layers import BATCH_MESH_AXES, per_batch_shard
 
 mesh = jax.make_mesh((2, 1), BATCH_MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 seen = []
-def record(rows):
+def record(rows, shared):
     seen.append(rows["x"].shape)
     return rows["x"] * 2.0
 x = jnp.arange(24.0).reshape(4, 6)
@@ -27,6 +27,24 @@ with jax.set_mesh(mesh):
     doubled = jax.jit(lambda x: per_batch_shard(record, {"x": x}, 4))(x)
     odd = jax.jit(lambda x: per_batch_shard(record, {"x": x}, 3))(x[:3])   # 3 rows do not split: whole
 out = {"seen": seen, "doubled_ok": bool(jnp.allclose(doubled, 2 * x)), "odd_ok": bool(jnp.allclose(odd, 2 * x[:3]))}
+
+# shared parameters used inside a checkpointed scan within a scan (the dual form's grouped chunks),
+# traced under the mesh as the trainer traces its loss: their gradient is every device's part
+# summed; closed over instead of passed as `shared`, the transpose failed
+def grouped_scan(rows, shared):
+    step = lambda c, xt: (c * shared["a"] + jnp.sin(xt), None)
+    group = jax.checkpoint(lambda c, xs: jax.lax.scan(step, c, xs))
+    final, _ = jax.lax.scan(group, jnp.ones(rows["x"].shape[:1]), rows["x"].T.reshape(2, 3, -1))
+    return final[:, None]
+def scan_loss(a, x, mesh=None):
+    if mesh is None:
+        return jnp.sum(per_batch_shard(grouped_scan, {"x": x}, 4, {"a": a * 1.0}) ** 2)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return jnp.sum(per_batch_shard(grouped_scan, {"x": x}, 4, {"a": a * 1.0}) ** 2)
+ref_grad = jax.jit(jax.grad(scan_loss))(jnp.float32(0.7), x / 10)
+got_grad = jax.jit(jax.grad(lambda a, x: scan_loss(a, x, mesh)),
+                   in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(BATCH_MESH_AXES))))(jnp.float32(0.7), x / 10)
+out["shared_grad_rel"] = float(abs(got_grad - ref_grad) / abs(ref_grad))
 
 model = models.build("gated_deltanet", "tiny", num_layers=1, vocab_size=64, max_documents=2,
                      dtype="float32", rngs=nnx.Rngs(0))
@@ -75,6 +93,7 @@ def test_delta_family_runs_per_batch_shard_under_a_mesh():
     # each device saw 2 of the 4 rows; 3 rows (not divisible by 2) ran whole, not truncated
     assert out["seen"] == [[2, 6], [3, 6]]
     assert out["doubled_ok"] and out["odd_ok"]
+    assert out["shared_grad_rel"] < 1e-6, out
     # the model's memory op went through shard_map, with one device's result (float32 rounding)
     assert out["model_shard_map"]
     assert out["loss_rel"] < 1e-5 and out["grad_rel"] < 1e-5, out

@@ -99,7 +99,11 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
                                  "return no final state; pass initial_state=None, output_final_state=False")
             rows["segment_ids"] = documents[0]
 
-        def call(rows):
+        # fla's activation parameters (A_log, dt_bias) go in as arrays, its flags stay static
+        fused = fused or {}
+        fused_arrays = {name: x for name, x in fused.items() if isinstance(x, jax.Array)}
+
+        def call(rows, fused_arrays):
             rows = dict(rows)
             cu_seqlens = overflow = None
             if documents is not None:
@@ -111,13 +115,13 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
                 (rows["q"], rows["k"], rows["v"], rows["g"], rows["beta"])
             o, final = op(*args, scale=scale, initial_state=rows["initial_state"], output_final_state=output_final_state,
                           impl="pallas" if documents is not None else impl, chunk_size=chunk_size,
-                          cu_seqlens=cu_seqlens, **(fused or {}))
+                          cu_seqlens=cu_seqlens, **{**fused, **fused_arrays})
             if documents is not None:
                 # tokens of documents past the static budget would share a state: NaN, loud not wrong
                 o = jnp.where(overflow.reshape(1, -1, 1, 1), jnp.nan, o).reshape((batch, time) + o.shape[2:])
             return o, final
 
-        o, final = per_batch_shard(call, rows, q.shape[0])
+        o, final = per_batch_shard(call, rows, q.shape[0], fused_arrays)
         if final is not None:
             batch, _, heads, d_k = q.shape
             final = spec.init_state(None, batch=batch, heads=heads, d_k=d_k, d_v=v.shape[-1], params={"S": final})
@@ -128,17 +132,19 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
     if not output_final_state and not isinstance(initial_state, MemoryState):
         # The deep-memory and Omega kernels are custom calls too (impl "pallas", or "auto" on a
         # GPU/TPU): each device runs its own rows; the XLA forms lose nothing by it. θ_0 and the
-        # feature coefficients, closed over, are the same on every device.
+        # feature coefficients are the same on every device.
         rows = {"q": q, "k": k, "v": v, "knobs": knobs}
         if restarts is not None:
             rows["restarts"], rows["valid"] = restarts
 
-        def call(rows):
+        def call(rows, shared):
             extra = {} if restarts is None else {"restarts": rows["restarts"], "valid": rows["valid"]}
             return spec(rows["q"], rows["k"], rows["v"], **rows["knobs"], impl=impl, chunk_size=chunk_size,
-                        initial_state=initial_state, feature_params=feature_params, scale=scale, **extra)[0]
+                        initial_state=shared["initial_state"], feature_params=shared["feature_params"],
+                        scale=scale, **extra)[0]
 
-        return per_batch_shard(call, rows, q.shape[0]), None
+        shared = {"initial_state": initial_state, "feature_params": feature_params}
+        return per_batch_shard(call, rows, q.shape[0], shared), None
     if restarts is not None:
         raise ValueError("run_memory: restarts (packed documents) start every document from θ_0 and return "
                          "no final state; pass initial_state=None, output_final_state=False")
@@ -170,20 +176,24 @@ def _varlen_offsets(segment_ids, max_sequences: int):
     return cu_seqlens, overflow
 
 
-def per_batch_shard(fn, rows: dict, batch: int):
-    """fn(rows) with every array of ``rows`` (leading axis: the ``batch`` rows) split over the
-    context mesh's BATCH_MESH_AXES, each device running fn on its own rows; fn(rows) as is
-    outside a mesh. fn's outputs are row-leading arrays (or None). The other mesh axes stay
-    automatic."""
+def per_batch_shard(fn, rows: dict, batch: int, shared=None):
+    """fn(rows, shared) with every array of ``rows`` (leading axis: the ``batch`` rows) split over
+    the context mesh's BATCH_MESH_AXES, each device running fn on its own rows, and ``shared`` (a
+    pytree, e.g. parameters) whole on every device; fn(rows, shared) as is outside a mesh. fn's
+    outputs are row-leading arrays (or None). The other mesh axes stay automatic.
+
+    Pass what fn needs through ``shared``, never by closure: a traced array closed over keeps the
+    outer mesh's sharding, and transposing a checkpointed scan inside shard_map then fails
+    ("Context mesh ... should match the mesh of sharding")."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = tuple(a for a in BATCH_MESH_AXES if not mesh.empty and a in mesh.axis_names and mesh.shape[a] > 1)
     shards = math.prod(mesh.shape[a] for a in axes)
     if not axes or batch % shards:
-        return fn(rows)
+        return fn(rows, shared)
     spec = jax.sharding.PartitionSpec(axes)
     # check_vma off: Pallas calls carry no varying-axes annotation
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=spec, axis_names=set(axes),
-                         check_vma=False)(rows)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec, jax.sharding.PartitionSpec()), out_specs=spec,
+                         axis_names=set(axes), check_vma=False)(rows, shared)
 
 
 def l2_normalize(x, eps: float = 1e-6):
