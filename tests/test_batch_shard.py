@@ -80,6 +80,15 @@ got = jax.jit(lambda p, t, s: loss(p, t, s, mesh=mesh), in_shardings=(NamedShard
 jaxpr = str(jax.make_jaxpr(lambda p, t, s: logits(p, t, s, mesh=mesh))(params, tokens, segments))
 out["titans_shard_map"] = "shard_map" in jaxpr
 out["titans_loss_rel"] = float(abs(got - ref) / abs(ref))
+
+# packed documents on the chunk-start forms (chunk-aligned rows with restarts): the layout's
+# scatters run inside each device's shard; outside it XLA gathered the whole batch to every device
+titans = models.build("titans", "tiny", num_layers=1, vocab_size=64, max_documents=2, impl="chunk",
+                      dtype="float32", rngs=nnx.Rngs(0))
+graphdef, params = nnx.split(titans)
+grad = jax.jit(jax.grad(lambda p, t, s: loss(p, t, s, mesh=mesh)), in_shardings=(NamedSharding(mesh, P()), rows, rows))
+hlo = grad.lower(params, tokens, segments).compile().as_text()
+out["restarts_all_gathers"] = hlo.count(" all-gather(") + hlo.count(" all-gather-start(")
 print("RESULT " + json.dumps(out))
 """
 
@@ -98,3 +107,4 @@ def test_delta_family_runs_per_batch_shard_under_a_mesh():
     assert out["model_shard_map"]
     assert out["loss_rel"] < 1e-5 and out["grad_rel"] < 1e-5, out
     assert out["titans_shard_map"] and out["titans_loss_rel"] < 1e-5, out
+    assert out["restarts_all_gathers"] == 0, out

@@ -70,55 +70,73 @@ def memory_op(spec, impl: str, initial_state=None):
 
 def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None,
                output_final_state: bool = False, feature_params=None, scale: float = 1.0,
-               fused: dict | None = None, documents: tuple | None = None, restarts=None):
+               fused: dict | None = None, documents: tuple | None = None):
     """The one call into the core: (o [B, T, H, V], final state or None).
 
     The exact delta family goes to atlas_jax.ops directly (the same algorithm MemorySpec's chunked
     form dispatches to) so that bf16 operands reach the Pallas kernels as bf16: MemorySpec casts
     q, k, v to float32 first. ``fused``: fla's activation arguments for that op
     (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel); knobs' g and beta are then
-    the op's raw inputs, so any other route is an error. ``documents``: (segment_ids [B, T],
-    max_documents) of packed rows, only where ``packs_documents`` said yes: each shard's rows
-    become one varlen row for the kernels (``cu_seqlens`` from the segment ids). ``restarts``
-    (restarts, valid), both [B, T]: MemorySpec's, where ``takes_restarts`` said yes."""
+    the op's raw inputs, so any other route is an error.
+
+    ``documents``: (segment_ids [B, T], max_documents) of packed rows, every document starting
+    from the initial state (no final state). The cheapest exact layout the route allows: one
+    varlen row for the delta-family kernels (``packs_documents``: B·T tokens of work), documents
+    on chunk boundaries with restarts for the chunk-start forms (``takes_restarts``: about
+    T + M·C per row), else one row per document (M·T). Under a mesh the layout is built inside
+    each device's shard (``per_batch_shard``): its scatters have data-dependent indices, which
+    XLA's partitioner would otherwise run on the whole batch on every device."""
     op = memory_op(spec, impl, initial_state)
     if fused and op is None:
         raise ValueError(f"run_memory: {sorted(fused)} are arguments of the delta-family ops, which do not "
                          f"run {getattr(spec, 'name', spec)!r} with impl={impl!r} and this initial state")
+    if documents is not None and (output_final_state or isinstance(initial_state, MemoryState)):
+        raise ValueError("run_memory: documents (packed rows) start every document from the initial parameters "
+                         "and return no final state; pass initial_state=None (or θ_0's params) and "
+                         "output_final_state=False")
     if isinstance(spec, ClosedForm):
         extra = {"beta": knobs["beta"]} if "beta" in knobs else {}
-        return spec(q, k, v, scale=scale, **extra), None
+        closed = lambda q, k, v, extra: spec(q, k, v, scale=scale, **extra)
+        if documents is None:
+            return closed(q, k, v, extra), None
+        return _in_document_rows(closed, documents, q, k, v, extra), None
     if op is not None:
         state = None if initial_state is None else initial_state.params["S"]
         rows = {"q": q, "k": k, "v": v, "beta": knobs["beta"], "initial_state": state}
         if op.__name__ != "delta_rule":
             rows["g"] = knobs.get("g")
+        # one document per row (max_documents 1) is a mask (to_document_rows), not a layout
+        varlen = documents is not None and documents[1] > 1 and packs_documents(spec, q, k, v, knobs, impl=impl,
+                                                                                chunk_size=chunk_size)
         if documents is not None:
-            if state is not None or output_final_state:
-                raise ValueError("run_memory: documents (packed rows) start from the zero state and "
-                                 "return no final state; pass initial_state=None, output_final_state=False")
             rows["segment_ids"] = documents[0]
-
         # fla's activation parameters (A_log, dt_bias) go in as arrays, its flags stay static
         fused = fused or {}
         fused_arrays = {name: x for name, x in fused.items() if isinstance(x, jax.Array)}
 
-        def call(rows, fused_arrays):
-            rows = dict(rows)
-            cu_seqlens = overflow = None
-            if documents is not None:
-                batch, time = rows["segment_ids"].shape
-                cu_seqlens, overflow = _varlen_offsets(rows.pop("segment_ids"), batch * documents[1])
-                flat = lambda x: None if x is None else x.reshape((1, batch * time) + x.shape[2:])
-                rows = {name: flat(x) for name, x in rows.items()}
+        def run_op(rows, fused_arrays, cu_seqlens=None):
             args = (rows["q"], rows["k"], rows["v"], rows["beta"]) if op.__name__ == "delta_rule" else \
                 (rows["q"], rows["k"], rows["v"], rows["g"], rows["beta"])
-            o, final = op(*args, scale=scale, initial_state=rows["initial_state"], output_final_state=output_final_state,
-                          impl="pallas" if documents is not None else impl, chunk_size=chunk_size,
-                          cu_seqlens=cu_seqlens, **{**fused, **fused_arrays})
-            if documents is not None:
-                # tokens of documents past the static budget would share a state: NaN, loud not wrong
-                o = jnp.where(overflow.reshape(1, -1, 1, 1), jnp.nan, o).reshape((batch, time) + o.shape[2:])
+            return op(*args, scale=scale, initial_state=rows["initial_state"], output_final_state=output_final_state,
+                      impl="pallas" if cu_seqlens is not None else impl, chunk_size=chunk_size,
+                      cu_seqlens=cu_seqlens, **{**fused, **fused_arrays})
+
+        def call(rows, fused_arrays):
+            rows = dict(rows)
+            if documents is None:
+                return run_op(rows, fused_arrays)
+            segment_ids = rows.pop("segment_ids")
+            if not varlen:
+                per_document = lambda q, k, v, knobs: run_op({"q": q, "k": k, "v": v, **knobs}, fused_arrays)[0]
+                knobs = {name: rows[name] for name in ("beta", "g", "initial_state") if name in rows}
+                return _in_document_rows(per_document, (segment_ids, documents[1]), rows["q"], rows["k"],
+                                         rows["v"], knobs), None
+            batch, time = segment_ids.shape
+            cu_seqlens, overflow = _varlen_offsets(segment_ids, batch * documents[1])
+            flat = lambda x: None if x is None else x.reshape((1, batch * time) + x.shape[2:])
+            o, final = run_op({name: flat(x) for name, x in rows.items()}, fused_arrays, cu_seqlens)
+            # tokens of documents past the static budget would share a state: NaN, loud not wrong
+            o = jnp.where(overflow.reshape(1, -1, 1, 1), jnp.nan, o).reshape((batch, time) + o.shape[2:])
             return o, final
 
         o, final = per_batch_shard(call, rows, q.shape[0], fused_arrays)
@@ -126,30 +144,42 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
             batch, _, heads, d_k = q.shape
             final = spec.init_state(None, batch=batch, heads=heads, d_k=d_k, d_v=v.shape[-1], params={"S": final})
         return o, final
-    if documents is not None:
-        raise ValueError(f"run_memory: documents are packed for the delta-family kernels only, not "
-                         f"{getattr(spec, 'name', spec)!r} with impl={impl!r}")
     if not output_final_state and not isinstance(initial_state, MemoryState):
         # The deep-memory and Omega kernels are custom calls too (impl "pallas", or "auto" on a
         # GPU/TPU): each device runs its own rows; the XLA forms lose nothing by it. θ_0 and the
         # feature coefficients are the same on every device.
         rows = {"q": q, "k": k, "v": v, "knobs": knobs}
-        if restarts is not None:
-            rows["restarts"], rows["valid"] = restarts
+        if documents is not None:
+            rows["segment_ids"] = documents[0]
 
         def call(rows, shared):
-            extra = {} if restarts is None else {"restarts": rows["restarts"], "valid": rows["valid"]}
-            return spec(rows["q"], rows["k"], rows["v"], **rows["knobs"], impl=impl, chunk_size=chunk_size,
-                        initial_state=shared["initial_state"], feature_params=shared["feature_params"],
-                        scale=scale, **extra)[0]
+            def memory(q, k, v, knobs, **restarts):
+                return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=shared["initial_state"],
+                            feature_params=shared["feature_params"], scale=scale, **restarts)[0]
+            if documents is None:
+                return memory(rows["q"], rows["k"], rows["v"], rows["knobs"])
+            if documents[1] == 1 or not takes_restarts(spec, impl):
+                return _in_document_rows(memory, (rows["segment_ids"], documents[1]), rows["q"], rows["k"],
+                                         rows["v"], rows["knobs"])
+            doc, pos = document_positions(rows["segment_ids"])
+            dest, length, restarts, valid, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1])
+            aligned = lambda y: to_chunk_aligned(y, dest, length)
+            o = memory(aligned(rows["q"]), aligned(rows["k"]), aligned(rows["v"]), jax.tree.map(aligned, rows["knobs"]),
+                       restarts=restarts, valid=valid)
+            return from_chunk_aligned(o, dest, overflow)
 
         shared = {"initial_state": initial_state, "feature_params": feature_params}
         return per_batch_shard(call, rows, q.shape[0], shared), None
-    if restarts is not None:
-        raise ValueError("run_memory: restarts (packed documents) start every document from θ_0 and return "
-                         "no final state; pass initial_state=None, output_final_state=False")
     return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
                 output_final_state=output_final_state, feature_params=feature_params, scale=scale)
+
+
+def _in_document_rows(memory, documents, q, k, v, knobs):
+    """memory(q, k, v, knobs) -> o run with each packed document in its own row (``to_document_rows``)."""
+    doc, pos = document_positions(documents[0])
+    rows = lambda y: None if y is None else to_document_rows(y, doc, pos, documents[1])
+    o = memory(rows(q), rows(k), rows(v), {name: rows(x) for name, x in knobs.items()})
+    return from_document_rows(o, doc, pos, documents[1])
 
 
 def packs_documents(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None) -> bool:
@@ -689,15 +719,14 @@ class MemoryLayer(nnx.Module):
             knobs["delta"] = jax.nn.softplus(f32(self.delta_proj(x)))
         return knobs
 
-    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None,
-             restarts=None):
+    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None):
         feature_params = None if self.feature_coeffs is None else {"coeffs": self.feature_coeffs[...].astype(jnp.float32)}
         if initial_state is None:
             initial_state = self.theta0()
         return run_memory(self.spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
                           initial_state=initial_state, output_final_state=output_final_state,
                           feature_params=feature_params, scale=self.scale, fused=self._fused(impl),
-                          documents=documents, restarts=restarts)
+                          documents=documents)
 
     def _out(self, o, x):
         o = checkpoint_name(o, MEMORY_OUTPUT)
@@ -710,27 +739,8 @@ class MemoryLayer(nnx.Module):
         # (a second one is NaN below), so the convolution needs no document mask.
         conv_segments = None if self.max_documents == 1 else segment_ids
         q, k, v, knobs = self._inputs(x, conv_segments)
-        if segment_ids is None:
-            o, _ = self._run(q, k, v, knobs, impl=self.impl)
-        elif self.max_documents > 1 and packs_documents(self.spec, q, k, v, knobs, impl=self.impl, chunk_size=self.chunk_size,
-                             initial_state=self.theta0()):
-            # the kernels take the documents as one varlen row: B·T tokens of work, not B·M·T
-            o, _ = self._run(q, k, v, knobs, impl=self.impl, documents=(segment_ids, self.max_documents))
-        elif self.max_documents > 1 and takes_restarts(self.spec, self.impl):
-            # documents on chunk boundaries of one row, the memory restarting at each: about
-            # T + M·C tokens of work per row instead of M·T
-            doc, pos = document_positions(segment_ids)
-            dest, length, restarts, valid, overflow = chunk_aligned_layout(doc, pos, self.chunk_size,
-                                                                           self.max_documents)
-            aligned = lambda y: to_chunk_aligned(y, dest, length)
-            o, _ = self._run(aligned(q), aligned(k), aligned(v), jax.tree.map(aligned, knobs), impl=self.impl,
-                             restarts=(restarts, valid))
-            o = from_chunk_aligned(o, dest, overflow)
-        else:
-            doc, pos = document_positions(segment_ids)
-            rows = lambda y: to_document_rows(y, doc, pos, self.max_documents)
-            o, _ = self._run(rows(q), rows(k), rows(v), jax.tree.map(rows, knobs), impl=self.impl)
-            o = from_document_rows(o, doc, pos, self.max_documents)
+        documents = None if segment_ids is None else (segment_ids, self.max_documents)
+        o, _ = self._run(q, k, v, knobs, impl=self.impl, documents=documents)
         return self._out(o, x)
 
     @property
