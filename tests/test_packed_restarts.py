@@ -83,12 +83,14 @@ def test_restarts_equal_each_document_alone(name, impl, dual):
             return _per_document(spec, impl, q, k, v, knobs, theta)
 
     cot = jnp.asarray(np.random.default_rng(9).standard_normal(v.shape), jnp.float32)
-    got, got_vjp = jax.vjp(run, q, k, v, knobs, theta)
-    want, want_vjp = jax.vjp(reference, q, k, v, knobs, theta)
+    # jitted: one compile each instead of thousands of op-by-op dispatches (the suite's time)
+    value_and_vjp = lambda f: jax.jit(lambda *args: (lambda out, vjp: (out, vjp(cot)))(*jax.vjp(f, *args)))
+    got, got_grads = value_and_vjp(run)(q, k, v, knobs, theta)
+    want, want_grads = value_and_vjp(reference)(q, k, v, knobs, theta)
     tol = 3e-5 if name == "atlas" else 1e-5    # Newton–Schulz's five cubic steps amplify rounding
     scale = float(jnp.max(jnp.abs(want)))
     assert float(jnp.max(jnp.abs(got - want))) <= tol * scale
-    for g, w in zip(jax.tree.leaves(got_vjp(cot)), jax.tree.leaves(want_vjp(cot))):
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         assert float(jnp.max(jnp.abs(g - w))) <= tol * float(jnp.max(jnp.abs(w))) + 1e-12
 
 
