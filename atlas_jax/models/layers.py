@@ -736,7 +736,7 @@ class MemoryLayer(nnx.Module):
     # -- the three calls -------------------------------------------------------------------------
     def __call__(self, x, segment_ids=None, positions=None):
         # One document per row (max_documents 1): its tokens' lags never reach another document
-        # (a second one is NaN below), so the convolution needs no document mask.
+        # (run_memory makes a second one NaN), so the convolution needs no document mask.
         conv_segments = None if self.max_documents == 1 else segment_ids
         q, k, v, knobs = self._inputs(x, conv_segments)
         documents = None if segment_ids is None else (segment_ids, self.max_documents)
