@@ -48,6 +48,7 @@ class OptimizerInfo(NamedTuple):
     steps: int = 1                 # inner steps per token (DeltaProduct-style multi-step GD)
     step_inside: bool = False      # momentum: β_t scales the gradient before it enters m (Titans)
     ns_every: str = "token"        # muon: Newton–Schulz on every m_t ("token") or at chunk ends ("chunk")
+    ns_dtype: str = "float32"      # muon: Newton–Schulz's matmul operands (accumulation float32)
 
 
 class MomentumState(NamedTuple):
@@ -200,13 +201,21 @@ def _coefficients(coefficients):
     return coefficients
 
 
-def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7) -> jax.Array:
+NS_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7,
+                  operand_dtype: str = "float32") -> jax.Array:
     """Newton–Schulz orthogonalisation of a matrix (Muon): X ← aX + (bA + cA²)X, A = XXᵀ.
 
     Frobenius-normalised first (so every singular value starts ≤ 1); a tall matrix is transposed so
-    that the Gram matrix A is the smaller one. Runs in float32.
+    that the Gram matrix A is the smaller one. The iterate, the norm and every accumulation are
+    float32; ``operand_dtype`` "bfloat16" rounds the matmuls' operands to bf16 (Muon's practice:
+    about twice the tensor-core rate of TF32; the result moves by a few 1e-2 of its largest entry).
     """
     a, b, c = coefficients
+    low = NS_DTYPES[operand_dtype]
+    mm = lambda u, v: jnp.matmul(u.astype(low), v.astype(low), preferred_element_type=jnp.float32)
     x = x.astype(jnp.float32)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -217,21 +226,30 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     norm = jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)
     x = x / (norm + eps)
     for _ in range(steps):
-        gram = x @ jnp.swapaxes(x, -1, -2)
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        gram = mm(x, jnp.swapaxes(x, -1, -2))
+        x = a * x + mm(b * gram + c * mm(gram, gram), x)
     return jnp.swapaxes(x, -1, -2) if tall else x
 
 
-def orthogonalize_tree(tree, steps, coefficients, eps):
-    """Newton–Schulz on every matrix leaf; vectors/scalars pass through (as in Muon practice)."""
-    return jax.tree.map(lambda m: newton_schulz(m, steps, coefficients, eps) if m.ndim == 2 else m, tree)
+def orthogonalize_tree(tree, steps, coefficients, eps, operand_dtype: str = "float32", matrix_ndim: int = 2):
+    """Newton–Schulz on every matrix leaf (``matrix_ndim`` 3: a leading batch of matrices);
+    vectors/scalars pass through (as in Muon practice)."""
+    return jax.tree.map(lambda m: newton_schulz(m, steps, coefficients, eps, operand_dtype)
+                        if m.ndim == matrix_ndim else m, tree)
+
+
+def orthogonalize(tree, opt_info: OptimizerInfo, matrix_ndim: int = 2):
+    """``orthogonalize_tree`` with a muon's settings (its OptimizerInfo): what the chunked forms call."""
+    return orthogonalize_tree(tree, opt_info.ns_steps, opt_info.ns_coefficients, opt_info.ns_eps,
+                              opt_info.ns_dtype, matrix_ndim)
 
 
 NS_SCHEDULES = ("token", "chunk")
 
 
 def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
-         coefficients="muon", eps: float = 1e-7, ns_every: str = "token") -> optax.GradientTransformationExtraArgs:
+         coefficients="muon", eps: float = 1e-7, ns_every: str = "token",
+         ns_dtype: str = "float32") -> optax.GradientTransformationExtraArgs:
     """ATLAS (eq. 32–33): S_t = θ_t S_{t−1} + ∇ℓ, M_t = α_t M_{t−1} − η_t NewtonSchulz_J(S_t),
     i.e. m_t = ν_t m_{t−1} + ∇, updates = −β_t NS_J(m_t): the step multiplies after the momentum
     (the convention of ``momentum(step_inside=False)``).
@@ -251,12 +269,18 @@ def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
       this is exactly the per-token update). The momentum state carried is m_b (never
       orthogonalised). Every read inside the chunk is then linear in the chunk's gradients, which
       is what the O(T·d) dual form (forms/dual.py) needs.
+
+    ``ns_dtype``: Newton–Schulz's matmul operands, "float32" (default) or "bfloat16" (as Muon runs
+    it; the iterate and the accumulations stay float32). NS on [d_φ, h] momenta is most of ATLAS'
+    FLOPs.
     """
     _positive("muon: step_size", step_size)
     if not isinstance(ns_steps, int) or ns_steps < 0:
         raise ValueError(f"muon: ns_steps must be an int >= 0, got {ns_steps!r}")
     if ns_every not in NS_SCHEDULES:
         raise ValueError(f"muon: ns_every must be one of {NS_SCHEDULES}, got {ns_every!r}")
+    if ns_dtype not in NS_DTYPES:
+        raise ValueError(f"muon: ns_dtype must be one of {tuple(NS_DTYPES)}, got {ns_dtype!r}")
     coeffs = _coefficients(coefficients)
     init, trace = _momentum_pieces(momentum_decay)
     default_beta, default_nu = step_size, momentum_decay
@@ -265,12 +289,12 @@ def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
         nu = _step(momentum_decay, default_nu)
         beta = _step(step_size, default_beta)
         m = trace(grads, state, nu)
-        direction = orthogonalize_tree(m, ns_steps, coeffs, eps)
+        direction = orthogonalize_tree(m, ns_steps, coeffs, eps, ns_dtype)
         return scale_tree(beta, jax.tree.map(jnp.negative, direction)), MomentumState(m)
 
     return _tag(init, update, OptimizerInfo(kind="muon", step_size=step_size, momentum_decay=momentum_decay,
                                             ns_steps=ns_steps, ns_coefficients=coeffs, ns_eps=eps,
-                                            ns_every=ns_every))
+                                            ns_every=ns_every, ns_dtype=ns_dtype))
 
 
 def least_squares(ridge: float = 1.0) -> optax.GradientTransformationExtraArgs:

@@ -144,15 +144,19 @@ def omeganet(*, window: int = 4, degree: int = 2, hidden: int | None = None) -> 
 
 
 def atlas(*, window: int = 4, degree: int = 2, hidden: int | None = None, ns_steps: int = 5,
-          step_size: float = 1.0, momentum_decay: float = 0.9, ns_every: str = "token") -> MemorySpec:
+          step_size: float = 1.0, momentum_decay: float = 0.9, ns_every: str = "token",
+          ns_dtype: str = "float32") -> MemorySpec:
     return MemorySpec(MLPMemory(2, hidden, residual=True), Polynomial(degree), obj.L2(), window,
-                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every), ret.scalar(decoupled=True), "atlas")
+                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every, ns_dtype=ns_dtype),
+                      ret.scalar(decoupled=True), "atlas")
 
 
 def atlas_pp(*, window: int = 4, degree: int = 2, hidden: int | None = None, ns_steps: int = 5,
-             step_size: float = 1.0, momentum_decay: float = 0.9, ns_every: str = "token") -> MemorySpec:
+             step_size: float = 1.0, momentum_decay: float = 0.9, ns_every: str = "token",
+             ns_dtype: str = "float32") -> MemorySpec:
     return MemorySpec(GatedMLPMemory(hidden), Polynomial(degree), obj.L2(), window,
-                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every), ret.scalar(decoupled=True), "atlas_pp")
+                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every, ns_dtype=ns_dtype),
+                      ret.scalar(decoupled=True), "atlas_pp")
 
 
 def moneta(*, p: float = 3.0, q: float = 4.0, hidden: int | None = None, map_at: str = "chunk_end") -> MemorySpec:

@@ -11,8 +11,9 @@ J = 5 iterations, the tall side transposed so the Gram matrix is the small one) 
   ns_vjp    its forward + backward (the dual form differentiates through it): about 3× the FLOPs
   gram      one batched matmul X·Xᵀ of the same X ([N, s, l] × [N, l, s]), the roofline's
             achievable side: the matmul rate XLA reaches at this shape
-  precision float32 at JAX's default matmul precision (what the dual form runs), float32 at
-            HIGHEST, and bf16 operands (Muon's practice; float32 accumulation)
+  precision float32 at JAX's default matmul precision (what the dual form runs: TF32 on recent
+            GPUs), float32 at HIGHEST, and bf16 operands (``muon(ns_dtype="bfloat16")``, Muon's
+            practice; float32 iterate and accumulation)
 
 and reports ms, TFLOP/s, TFLOP/s as a fraction of the gram matmul's at the same precision (1.0:
 Newton–Schulz runs at the matmul roofline for its size) and of the device's dense peak, and the
@@ -49,9 +50,8 @@ def measure(shape, precision, steps, reps):
 
     N, m, n = shape
     x = jax.random.normal(jax.random.PRNGKey(0), shape, jnp.float32)
-    if precision == "bf16":
-        x = x.astype(jnp.bfloat16)
-        ns = lambda x: newton_schulz_bf16(x, steps)
+    if precision == "bf16":     # Muon's practice: muon(ns_dtype="bfloat16")
+        ns = lambda x: newton_schulz(x, steps, operand_dtype="bfloat16")
         ctx = jax.default_matmul_precision("default")
     else:
         ns = lambda x: newton_schulz(x, steps)
@@ -63,7 +63,7 @@ def measure(shape, precision, steps, reps):
         xt = jnp.swapaxes(x, -1, -2) if tall else x           # [N, s, l]
         gram = jax.jit(lambda x: jnp.einsum("NSL,NTL->NST", x, x, preferred_element_type=jnp.float32))
         out = {"ns_ms": time_jax(forward, x, reps=reps), "ns_vjp_ms": time_jax(fwd_bwd, x, reps=reps),
-               "gram_ms": time_jax(gram, xt, reps=reps)}
+               "gram_ms": time_jax(gram, xt.astype(jnp.bfloat16) if precision == "bf16" else xt, reps=reps)}
         result = forward(x).astype(jnp.float32)
     s, l = min(m, n), max(m, n)
     flops = N * ns_flops(m, n, steps)
@@ -75,23 +75,6 @@ def measure(shape, precision, steps, reps):
         exact = jax.jit(lambda x: newton_schulz(x, steps))(x.astype(jnp.float32))
     out["rel_error_vs_highest"] = float(jnp.max(jnp.abs(result - exact)) / jnp.max(jnp.abs(exact)))
     return out
-
-
-def newton_schulz_bf16(x, steps):
-    """Muon's practice: bf16 operands, float32 accumulation, the iterate kept in bf16."""
-    import jax.numpy as jnp
-    from atlas_jax.optimizers import MUON_COEFFICIENTS
-    a, b, c = MUON_COEFFICIENTS
-    tall = x.shape[-2] > x.shape[-1]
-    x = jnp.swapaxes(x, -1, -2) if tall else x
-    xf = x.astype(jnp.float32)
-    x = (xf / (jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1), keepdims=True)) + 1e-7)).astype(jnp.bfloat16)
-    mm = lambda u, v: jnp.matmul(u, v, preferred_element_type=jnp.float32)
-    for _ in range(steps):
-        gram = mm(x, jnp.swapaxes(x, -1, -2))
-        poly = (b * gram + c * mm(gram.astype(jnp.bfloat16), gram.astype(jnp.bfloat16))).astype(jnp.bfloat16)
-        x = (a * x.astype(jnp.float32) + mm(poly, x)).astype(jnp.bfloat16)
-    return jnp.swapaxes(x, -1, -2) if tall else x
 
 
 def main(argv=None):

@@ -80,3 +80,42 @@ def test_newton_schulz_of_a_zero_momentum_has_finite_gradients():
     assert bool(jnp.isfinite(grad).all())
     m = jax.random.normal(jax.random.PRNGKey(0), (6, 4))
     assert float(jnp.abs(jax.grad(lambda m: jnp.sum(opt.newton_schulz(m, 5)))(m)).max()) > 0
+
+
+def test_newton_schulz_on_bf16_operands_still_orthogonalises_and_atlas_runs_with_it():
+    """muon(ns_dtype="bfloat16"): bf16 matmul operands, float32 iterate and accumulation (Muon's
+    practice). Entry by entry it moves a few percent from float32 (Muon's quintic multiplies small
+    singular directions by a = 3.4 an iteration, rounding included), so what is tested is what an
+    orthogonaliser must do: the convergent cubic still reaches the polar factor to bf16 accuracy
+    (2^-8 ≈ 4e-3, bar 1e-2), the quintic's five steps give float32's singular-value band, the
+    gradient points the same way (cosine > 0.99), and a whole atlas layer (dual form, NS per
+    chunk) stays within 5e-2 of float32 NS (relative norm)."""
+    m = jax.random.normal(jax.random.PRNGKey(0), (12, 7))
+    u, _, vt = np.linalg.svd(np.asarray(m, np.float64), full_matrices=False)
+    assert rel(opt.newton_schulz(m, 32, opt.CUBIC_COEFFICIENTS, operand_dtype="bfloat16"), u @ vt) < 1e-2
+    for shape in ((40, 24), (24, 40)):   # wide and tall: the Gram matrix is the smaller side
+        m = jax.random.normal(jax.random.PRNGKey(5), shape)
+        low = opt.newton_schulz(m, 5, operand_dtype="bfloat16")
+        assert low.dtype == jnp.float32 and float(jnp.max(jnp.abs(low - opt.newton_schulz(m, 5)))) > 1e-4
+        s = np.linalg.svd(np.asarray(low, np.float64), compute_uv=False)
+        assert s.min() > 0.5 and s.max() < 1.3
+        cot = jax.random.normal(jax.random.PRNGKey(2), shape)
+        g_exact = jax.grad(lambda m: jnp.sum(opt.newton_schulz(m, 5) * cot))(m)
+        g_low = jax.grad(lambda m: jnp.sum(opt.newton_schulz(m, 5, operand_dtype="bfloat16") * cot))(m)
+        assert float(jnp.sum(g_exact * g_low) / jnp.linalg.norm(g_exact) / jnp.linalg.norm(g_low)) > 0.99
+
+    B, Tn, H, K = 1, 37, 2, 8
+    q, k, v, beta, g = random_inputs(3, B=B, T=Tn, H=H, K=K, V=K)
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        spec = presets.get("atlas", ns_every="chunk", hidden=16, ns_dtype=dtype)
+        assert opt.info(spec.optimizer).ns_dtype == dtype
+        state0 = spec.init_state(jax.random.PRNGKey(7), batch=B, heads=H, d_k=K, d_v=K)
+        outs[dtype] = spec(q, k, v, beta=0.5 * beta, g=g, impl="chunk", chunk_size=16, initial_state=state0)[0]
+    assert 0 < rel(outs["bfloat16"], outs["float32"]) <= 5e-2
+    try:
+        opt.muon(ns_dtype="float16")
+    except ValueError as e:
+        assert "ns_dtype" in str(e) and "bfloat16" in str(e)
+    else:
+        raise AssertionError("muon(ns_dtype='float16') must raise")

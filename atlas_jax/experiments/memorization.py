@@ -45,9 +45,9 @@ def _linear(objective, retention=None, feature_map=None):
     return make
 
 
-def _atlas_chunked(cfg, ns_every):
+def _atlas_chunked(cfg, ns_every, ns_dtype="float32"):
     return MemorySpec(MLPMemory(2, cfg.hidden, residual=True), Polynomial(cfg.degree), L2(), cfg.window,
-                      opt.muon(1.0, 0.9, 5, ns_every=ns_every), ret.scalar(0.0, decoupled=True),
+                      opt.muon(1.0, 0.9, 5, ns_every=ns_every, ns_dtype=ns_dtype), ret.scalar(0.0, decoupled=True),
                       impl="chunk", chunk_size=cfg.chunk_size)
 
 
@@ -69,13 +69,17 @@ MEMORIES = {
                       lambda c: _atlas_chunked(c, "token"), (0.003, 0.01, 0.03, 0.1)),
     "atlas_ns_per_chunk": ("ATLAS, chunk-start form, NS per chunk",
                            lambda c: _atlas_chunked(c, "chunk"), (0.003, 0.01, 0.03, 0.1)),
+    # the same with Newton–Schulz on bf16 operands (muon(ns_dtype="bfloat16"), as Muon runs it)
+    "atlas_ns_bf16": ("ATLAS, chunk-start form, NS per chunk, bf16 NS operands",
+                      lambda c: _atlas_chunked(c, "chunk", "bfloat16"), (0.003, 0.01, 0.03, 0.1)),
     "atlas_adam": ("ATLAS memory + optax.adam",
                    lambda c: MemorySpec(MLPMemory(2, c.hidden, residual=True), Polynomial(c.degree), L2(),
                                         c.window, optax.chain(optax.scale_by_adam(), opt.gd()),
                                         ret.scalar(0.0, decoupled=True)), (0.003, 0.01, 0.03, 0.1)),
 }
 # the memories whose feature map is Polynomial(degree), which reads poly_coeffs
-POLYNOMIAL_MEMORIES = ("deltanet_poly2", "atlas", "atlas_chunked", "atlas_ns_per_chunk", "atlas_adam")
+POLYNOMIAL_MEMORIES = ("deltanet_poly2", "atlas", "atlas_chunked", "atlas_ns_per_chunk", "atlas_ns_bf16",
+                       "atlas_adam")
 
 
 @dataclass(frozen=True)

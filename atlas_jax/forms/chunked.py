@@ -152,11 +152,8 @@ def exact_chunked(spec, params, steps: Steps, *, chunk_size: int, impl: str = "a
 
 
 def _orthogonalize_batched(tree, opt_info):
-    def one(m):
-        if m.ndim != 3:   # [b, rows, cols] matrices only; vectors pass through as in Muon practice
-            return m
-        return inner_opt.newton_schulz(m, opt_info.ns_steps, opt_info.ns_coefficients, opt_info.ns_eps)
-    return jax.tree.map(one, tree)
+    # [b, rows, cols] matrices only; vectors pass through as in Muon practice
+    return inner_opt.orthogonalize(tree, opt_info, matrix_ndim=3)
 
 
 def _linear_recurrence(log_factors, inputs, start, channel_axes):
@@ -298,7 +295,7 @@ def _chunk_end_orthogonalized(spec, opt_info, base0, acc, momentum, steps: Steps
         g = jnp.where(active > 0, steps.log_decay, 0.0)
         total_step = decay_matrix(g)[-1] @ beta
         from_start = jnp.exp(jnp.sum(g))
-    direction = inner_opt.orthogonalize_tree(momentum, opt_info.ns_steps, opt_info.ns_coefficients, opt_info.ns_eps)
+    direction = inner_opt.orthogonalize(momentum, opt_info)
     end = jax.tree.map(lambda a0, n: from_start * a0 - total_step * n, base0, direction)
     at_end = _last_real_step(active)
     return jax.tree.map(lambda e, a: jnp.where(at_end.reshape((-1,) + (1,) * e.ndim), e[None], a), end, acc)

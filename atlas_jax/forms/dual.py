@@ -269,8 +269,7 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
     if terms.momentum_rows is not None:
         new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None)
     if opt_info.kind == "muon":   # ns_every="chunk": the chunk's steps along NS of the chunk-end momentum
-        direction = inner_opt.orthogonalize_tree(new_momentum, opt_info.ns_steps, opt_info.ns_coefficients,
-                                                 opt_info.ns_eps)
+        direction = inner_opt.orthogonalize(new_momentum, opt_info)
         acc_end = jax.tree.map(lambda a0, n: decay_end * a0 - terms.total_step * n, base0, direction)
     else:
         carry_end = None if terms.state_carry is None else terms.state_carry[-1]
