@@ -9,7 +9,7 @@ between meshes.
 Budget: a 340M gated_deltanet run (B8 T4096) takes about 50 s with its compile on an H100, the
 whole preset (five runs) 4.5 min. The 340M atlas is far dearer per token: Newton–Schulz on the
 [d_φ=2145, h=256] momenta of every head, layer and chunk (polynomial features of degree 2 on 64-wide
-heads) makes it about 25× gated_deltanet's FLOPs per token; jitted forward + backward runs ~600
+heads) makes it about 25× gated_deltanet's FLOPs per token (counted from the shapes); jitted forward + backward runs ~600
 tokens/s on an H200 (B4 T512: 3.4 s a step, compile 24 s). Give it its own shape, e.g.
 --shape atlas=4x512, and state it.
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -117,14 +118,17 @@ def flop_params(preset: str, size: str, model: dict) -> int:
     return n if cfg.tie_embeddings else n - cfg.vocab_size * cfg.width
 
 
+def _shape_arg(text):
+    """--shape PRESET=BxT -> (preset, (B, T))."""
+    match = re.fullmatch(r"(\w+)=(\d+)x(\d+)", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"--shape: expected PRESET=BxT (e.g. atlas=4x512), got {text!r}")
+    return match.group(1), (int(match.group(2)), int(match.group(3)))
+
+
 def _shape(preset, args):
-    """(global batch, seq_len) of a preset: --shape PRESET=BxT, else --batch-size × --seq-len."""
-    for item in args.shape:
-        name, _, bt = item.partition("=")
-        if name == preset:
-            b, _, t = bt.partition("x")
-            return int(b), int(t)
-    return args.batch_size, args.seq_len
+    """(global batch, seq_len) of a preset: its --shape, else --batch-size × --seq-len."""
+    return dict(args.shape).get(preset, (args.batch_size, args.seq_len))
 
 
 def run_preset(preset, args, work: Path):
@@ -227,7 +231,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8, help="global batch, the same for every run")
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--shape", nargs="*", default=[], metavar="PRESET=BxT",
+    parser.add_argument("--shape", nargs="*", default=[], metavar="PRESET=BxT", type=_shape_arg,
                         help="a preset's own global batch and length (e.g. atlas=4x512)")
     parser.add_argument("--remat", default="full")
     parser.add_argument("--runs", default="one,data,fsdp", help="which of one,data,fsdp (one is needed)")

@@ -151,11 +151,6 @@ def exact_chunked(spec, params, steps: Steps, *, chunk_size: int, impl: str = "a
     return o, {"S": final}
 
 
-def _orthogonalize_batched(tree, opt_info):
-    # [b, rows, cols] matrices only; vectors pass through as in Muon practice
-    return inner_opt.orthogonalize(tree, opt_info, matrix_ndim=3)
-
-
 def _linear_recurrence(log_factors, inputs, start, channel_axes):
     """x_t = f_t ⊙ x_{t−1} + u_t for every step of a chunk at once, x_0 = ``start``.
 
@@ -218,7 +213,8 @@ def _parallel_updates(opt_info, grads, opt_state, steps: Steps, sq_norm, channel
     else:                      # m_t = ν_t m_{t−1} + ∇, updates = −β_t [NS](m_t)
         m = _linear_recurrence(log_nu, grads, opt_state.momentum, channel_axes)
         per_token_ns = opt_info.kind == "muon" and opt_info.ns_every == "token"
-        direction = _orthogonalize_batched(m, opt_info) if per_token_ns else m
+        # [b, rows, cols] matrices only; vectors pass through as in Muon practice
+        direction = inner_opt.orthogonalize(m, opt_info, matrix_ndim=3) if per_token_ns else m
         updates = _times(beta, jax.tree.map(jnp.negative, direction), channel_axes)
     return updates, inner_opt.MomentumState(jax.tree.map(lambda x: x[-1], m))
 
