@@ -210,7 +210,8 @@ def per_batch_shard(fn, rows: dict, batch: int, shared=None):
     """fn(rows, shared) with every array of ``rows`` (leading axis: the ``batch`` rows) split over
     the context mesh's BATCH_MESH_AXES, each device running fn on its own rows, and ``shared`` (a
     pytree, e.g. parameters) whole on every device; fn(rows, shared) as is outside a mesh. fn's
-    outputs are row-leading arrays (or None). The other mesh axes stay automatic.
+    outputs are row-leading arrays (or None). A non-batch mesh axis of size > 1 (tensor) stays
+    automatic inside fn; otherwise every axis is manual and fn compiles as one device's program.
 
     Pass what fn needs through ``shared``, never by closure: a traced array closed over keeps the
     outer mesh's sharding, and transposing a checkpointed scan inside shard_map then fails
@@ -222,8 +223,12 @@ def per_batch_shard(fn, rows: dict, batch: int, shared=None):
         return fn(rows, shared)
     spec = jax.sharding.PartitionSpec(axes)
     # check_vma off: Pallas calls carry no varying-axes annotation
+    # every axis manual where the others are trivial: a partly automatic body is still run through
+    # the SPMD partitioner, whose annotations change the per-device program XLA compiles
+    others = [a for a in mesh.axis_names if a not in axes]
+    manual = set(mesh.axis_names) if all(mesh.shape[a] == 1 for a in others) else set(axes)
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec, jax.sharding.PartitionSpec()), out_specs=spec,
-                         axis_names=set(axes), check_vma=False)(rows, shared)
+                         axis_names=manual, check_vma=False)(rows, shared)
 
 
 def l2_normalize(x, eps: float = 1e-6):
