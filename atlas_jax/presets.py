@@ -145,17 +145,19 @@ def omeganet(*, window: int = 4, degree: int = 2, hidden: int | None = None) -> 
 
 def atlas(*, window: int = 4, degree: int = 2, hidden: int | None = None, ns_steps: int = 5,
           step_size: float = 1.0, momentum_decay: float = 0.9, ns_every: str = "token",
-          ns_dtype: str = "float32") -> MemorySpec:
+          ns_dtype: str = "float32", ns_method: str = "auto") -> MemorySpec:
     return MemorySpec(MLPMemory(2, hidden, residual=True), Polynomial(degree), obj.L2(), window,
-                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every, ns_dtype=ns_dtype),
+                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every, ns_dtype=ns_dtype,
+                               ns_method=ns_method),
                       ret.scalar(decoupled=True), "atlas")
 
 
 def atlas_pp(*, window: int = 4, degree: int = 2, hidden: int | None = None, ns_steps: int = 5,
              step_size: float = 1.0, momentum_decay: float = 0.9, ns_every: str = "token",
-             ns_dtype: str = "float32") -> MemorySpec:
+             ns_dtype: str = "float32", ns_method: str = "auto") -> MemorySpec:
     return MemorySpec(GatedMLPMemory(hidden), Polynomial(degree), obj.L2(), window,
-                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every, ns_dtype=ns_dtype),
+                      opt.muon(step_size, momentum_decay, ns_steps, ns_every=ns_every, ns_dtype=ns_dtype,
+                               ns_method=ns_method),
                       ret.scalar(decoupled=True), "atlas_pp")
 
 

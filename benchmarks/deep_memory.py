@@ -8,7 +8,8 @@ tokens per second and peak memory (issue 24), with titans-pytorch's NeuralMemory
 
 Entries (``--presets``): titans, omeganet, atlas (Newton–Schulz of the chunk-end momentum,
 ``ns_every="chunk"``: the dual form), atlas_ns_bf16 (the same with Newton–Schulz on bf16 operands,
-``ns_dtype="bfloat16"``), atlas_token (NS on every m_t as the paper: the materialising
+``ns_dtype="bfloat16"``), atlas_ns_direct (NS iterated on the [d_φ, h] momentum itself, as before
+the Gram route became the default for tall momenta: ``ns_method="direct"``), atlas_token (NS on every m_t as the paper: the materialising
 form, O(chunk·|θ|) per sequence and head — it may run out of memory or take minutes), and
 titans_pytorch (``NeuralMemory(dim=H·D, heads=H, dim_head=D, chunk_size=chunk)``, bf16 autocast on
 GPU, projections included, forward+backward of its output's sum; needs torch and titans-pytorch,
@@ -41,6 +42,8 @@ ENTRIES = {   # entry name -> (preset, preset options, what the table says)
     "atlas": ("atlas", {"ns_every": "chunk"}, "atlas, NS per chunk"),
     "atlas_token": ("atlas", {"ns_every": "token"}, "atlas, NS per token"),
     "atlas_ns_bf16": ("atlas", {"ns_every": "chunk", "ns_dtype": "bfloat16"}, "atlas, NS per chunk on bf16 operands"),
+    "atlas_ns_direct": ("atlas", {"ns_every": "chunk", "ns_method": "direct"},
+                        "atlas, NS per chunk iterated on the momentum itself (no Gram route)"),
 }
 TORCH_ENTRY = "titans_pytorch"
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
