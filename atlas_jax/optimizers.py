@@ -224,10 +224,14 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     two n × n × m products per step. "gram" iterates on n × n matrices only: every step is
     X_k = R_k X_0 with R_k a polynomial in A_0 = X_0 X_0ᵀ, so it carries R and A_k = R A_0 Rᵀ and
     forms X once at the end — for atlas' [2145, 256] momenta 1.6 GFLOP instead of 3.0 per
-    orthogonalisation (J = 5), and no m-wide iterate kept for the backward pass. A_0 resolves
-    singular values only down to √ε of the largest, so the Gram route restarts once halfway
-    (X formed, its Gram recomputed); float32 results then differ from "direct" by ≤ 2e-5 of the
-    largest entry on ill-conditioned momenta (1e-4 without the restart), well under TF32's 6e-3.
+    orthogonalisation (J = 5), and no m-wide iterate kept for the backward pass. Two things keep it
+    as accurate as "direct": one restart halfway (X formed, its Gram recomputed: A_0 resolves
+    singular values only down to √ε of the largest), and R X taken as αX + (R − αI)X with
+    α = tr(R)/n, so that R's scalar part (up to a^J ≈ 480 on small singular directions) is not
+    rounded with the matmul operands. Largest difference from a float64 iteration on Gaussian and
+    ill-conditioned [2145, 256] matrices: float32 1.0e-5 (direct 9.4e-6), TF32-rounded operands
+    (a GPU's default float32 matmul) 5.7e-3 (direct 5.6e-3), bf16 operands 5.1e-2 (direct 4.6e-2;
+    `benchmarks/results/ns_gram_route_cpu_2026-11-26.md`).
     "auto": "gram" for float32 operands on matrices at least 4× longer than wide with ≥ 2¹⁸
     entries, else "direct".
     """
@@ -259,26 +263,30 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
 
 
 def _newton_schulz_gram(x, steps, coefficients, mm):
-    """`newton_schulz`'s steps on a normalised wide x [..., n, m] through n × n matrices only.
-    ``mm`` (the operand dtype's matmul) forms the n × m products; the n × n ones are float32:
-    they are cheap, and their rounding is what the Gram route amplifies."""
+    """`newton_schulz`'s steps on a normalised wide x [..., n, m] through n × n matrices only."""
     a, b, c = coefficients
     t = lambda u: jnp.swapaxes(u, -1, -2)
-    small = lambda u, v: jnp.matmul(u, v, preferred_element_type=jnp.float32)
     eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
+
+    def times_x(right, x):
+        # R X as αX + (R − αI)X, α = tr(R)/n: R's scalar part (a^k on the small singular
+        # directions, up to 3.4^5) stays out of the rounded matmul operands
+        alpha = jnp.trace(right, axis1=-2, axis2=-1)[..., None, None] / x.shape[-2]
+        return alpha * x + mm(right - alpha * eye, x)
+
     restart = steps // 2 + 1 if steps >= 3 else None
     gram0 = gram = mm(x, t(x))
     right = None                       # X_k = right @ X_0 (None: the identity)
     for k in range(steps):
         if k == restart:
-            x = mm(right, x)
+            x = times_x(right, x)
             gram0 = gram = mm(x, t(x))
             right = None
-        poly = a * eye + b * gram + c * small(gram, gram)
-        right = poly if right is None else small(poly, right)
+        poly = a * eye + b * gram + c * mm(gram, gram)
+        right = poly if right is None else mm(poly, right)
         if k + 1 < steps and k + 1 != restart:
-            gram = small(small(right, gram0), t(right))
-    return x if right is None else mm(right, x)
+            gram = mm(mm(right, gram0), t(right))
+    return x if right is None else times_x(right, x)
 
 
 def orthogonalize_tree(tree, steps, coefficients, eps, operand_dtype: str = "float32", matrix_ndim: int = 2,
