@@ -11,7 +11,10 @@ whole preset (five runs) 4.5 min. The 340M atlas is far dearer per token: Newton
 [d_φ=2145, h=256] momenta of every head, layer and chunk (polynomial features of degree 2 on 64-wide
 heads) makes it about 25× gated_deltanet's FLOPs per token (counted from the shapes); jitted forward + backward runs ~600
 tokens/s on an H200 (B4 T512: 3.4 s a step, compile 24 s). Give it its own shape, e.g.
---shape atlas=4x512, and state it.
+--shape atlas=4x512, and state it. Its step also has ~1 s that does not shrink with the rows (about
+250K kernel launches a step at T512, 2026-11-26 trace), so the two-GPU ratio wants several rows
+per GPU (global 16 × 512: ~1.9× expected from one GPU's B4/B8 step times). When the ratio falls
+short, `multi_gpu_profile.py` times and traces one GPU at B/2 rows against two at B rows.
 
 For each preset (340M, bf16 compute, float32 master weights, the same global batch and seed), every
 run is `atlas-jax train` in its own process, restricted to its devices (CUDA_VISIBLE_DEVICES; on
