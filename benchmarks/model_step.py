@@ -10,6 +10,7 @@ device's peak_bytes_in_use after the timed steps.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -28,6 +29,9 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--remat", default="none", help="none | full | dots (the model config's remat)")
+    parser.add_argument("--preset-options", default=None,
+                        help='JSON of the preset\'s options, e.g. \'{"ns_every": "chunk"}\' for atlas: its '
+                             'default, NS on every m_t, needs 72 GiB at 340M B1 T512')
     parser.add_argument("--out", default=None, help="folder for model_step.json (default $OUT)")
     args = parser.parse_args(argv)
 
@@ -37,8 +41,9 @@ def main(argv=None):
     from flax import nnx
     from atlas_jax import models
 
+    options = {} if args.preset_options is None else {"preset_options": json.loads(args.preset_options)}
     model = models.build(args.model, args.size, rngs=nnx.Rngs(0), dtype=args.dtype, context_length=args.seq_len,
-                         remat=args.remat)
+                         remat=args.remat, **options)
     vocab = model.config.vocab_size
     tokens = jax.random.randint(jax.random.PRNGKey(0), (args.batch, args.seq_len + 1), 0, vocab, jnp.int32)
     graphdef, state = nnx.split(model)
@@ -65,7 +70,8 @@ def main(argv=None):
     step_s = (time.perf_counter() - t0) / args.steps
     stats = jax.devices()[0].memory_stats() or {}
     result = {"model": args.model, "size": args.size, "params": models.param_count(args.model, args.size),
-              "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "loss": float(loss),
+              "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "preset_options": options.get("preset_options"),
+              "loss": float(loss),
               "compile_s": compile_s, "step_ms": 1e3 * step_s, "tokens_per_s": args.batch * args.seq_len / step_s,
               "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "pallas_kernels": kernels,
               "device": jax.devices()[0].device_kind, "jax": jax.__version__}
