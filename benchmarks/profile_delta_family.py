@@ -10,7 +10,7 @@ Run under Nsight Compute on the GPU machine, from the repository root:
 Everything is compiled and warmed up first; only one call of each phase (ours fwd, ours fwd+bwd,
 fla fwd, fla fwd+bwd, per op) runs between cudaProfilerStart/Stop, each phase opened by a marker
 kernel (torch.cuda._sleep) so the CSV can be split into phases. Flags: --shape B,T,H,D, --ops,
---modes, --ours (VARIANTS of tune.py: our block sizes, one phase each). Kernel names map to
+--modes, --value-heads (grouped value heads, fla's GVA), --ours (VARIANTS of tune.py: our block sizes, one phase each). Kernel names map to
 the labels of the table in kernels/delta_family/gpu.py (delta_intra_solve = K1a, ...).
 """
 from __future__ import annotations
@@ -73,7 +73,8 @@ def main(args):
     phases = []
     for op in ops:
         gate = timing.GATE_OF[op]
-        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, gate, jax.numpy.bfloat16)
+        q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, D, gate, jax.numpy.bfloat16,
+                                                  value_heads=args.value_heads)
         ours = {}
         for variant in variants:
             # the public op looks the kernel entry point up at trace time: trace (warm up) with
@@ -84,9 +85,9 @@ def main(args):
             try:
                 fwd, fwdbwd = timing.op_fns(public_ops, op, "pallas")
                 # bind this op's inputs now: the phases run after the loop over ops
-                args = (q, k, v, beta, g)
-                calls = {"fwd": lambda fwd=fwd, a=args: fwd(*a),
-                         "fwdbwd": lambda fwdbwd=fwdbwd, a=args, do=do: fwdbwd(*a, do)}
+                inputs = (q, k, v, beta, g)
+                calls = {"fwd": lambda fwd=fwd, a=inputs: fwd(*a),
+                         "fwdbwd": lambda fwdbwd=fwdbwd, a=inputs, do=do: fwdbwd(*a, do)}
                 for m in modes:
                     jax.block_until_ready(calls[m]())
             finally:
@@ -137,6 +138,8 @@ if __name__ == "__main__":
                     choices=sorted(timing.GATE_OF))
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--ours", nargs="+", default=["default"], choices=sorted(tune.VARIANTS))
+    ap.add_argument("--value-heads", type=int, default=None,
+                    help="HV value heads (grouped: a multiple of H; default H), both sides")
     ap.add_argument("--out", default=None, help="folder for phases.txt (default $OUT or .)")
     cli = ap.parse_args()
     if cli.parse:

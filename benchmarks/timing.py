@@ -77,9 +77,10 @@ def save_json(results, out_dir, name):
             json.dump(results, f, indent=1, default=str)
 
 
-def make_inputs(B, T, H, K, V, gate, dtype, seed=0):
+def make_inputs(B, T, H, K, V, gate, dtype, seed=0, value_heads=None):
     """fla's benchmark recipe: q, k L2-normalised, v ~ N(0, 1), beta = sigmoid(randn) in dtype;
-    g = logsigmoid(randn) float32 ([B, T, H] scalar, [B, T, H, K] channel); and a cotangent."""
+    g = logsigmoid(randn) float32 ([B, T, HV] scalar, [B, T, HV, K] channel); and a cotangent.
+    value_heads: HV (grouped value heads, a multiple of H; default H) for v, beta, g, do."""
     import jax
     import jax.numpy as jnp
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
@@ -89,14 +90,15 @@ def make_inputs(B, T, H, K, V, gate, dtype, seed=0):
 
     q = l2(jax.random.normal(ks[0], (B, T, H, K))).astype(dtype)
     k = l2(jax.random.normal(ks[1], (B, T, H, K))).astype(dtype)
-    v = jax.random.normal(ks[2], (B, T, H, V)).astype(dtype)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H))).astype(dtype)
+    HV = value_heads or H
+    v = jax.random.normal(ks[2], (B, T, HV, V)).astype(dtype)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, HV))).astype(dtype)
     g = None
     if gate == "scalar":
-        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)))
+        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, HV)))
     elif gate == "channel":
-        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H, K)))
-    do = jax.random.normal(ks[5], (B, T, H, V)).astype(dtype)
+        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, HV, K)))
+    do = jax.random.normal(ks[5], (B, T, HV, V)).astype(dtype)
     return q, k, v, beta, g, do
 
 

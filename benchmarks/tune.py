@@ -97,11 +97,12 @@ def kernel_fn(gpu, block_sizes, scale):
     return fwd
 
 
-def whole_op(gpu, shape, op, variants, modes, rounds, reps, res, value_dim=None):
+def whole_op(gpu, shape, op, variants, modes, rounds, reps, res, value_dim=None, value_heads=None):
     import jax
     import jax.numpy as jnp
     B, T, H, D = shape
-    q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, value_dim or D, timing.GATE_OF[op], jnp.bfloat16)
+    q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, value_dim or D, timing.GATE_OF[op],
+                                              jnp.bfloat16, value_heads=value_heads)
     runs = []
     for name, kw in variants.items():
         fwd = kernel_fn(gpu, gpu.GpuBlockSizes(**kw), 1.0 / math.sqrt(D))
@@ -127,7 +128,8 @@ def whole_op(gpu, shape, op, variants, modes, rounds, reps, res, value_dim=None)
             timing.log(f"[tune] {label:34s} best {min(times):8.3f} ms")
 
 
-def per_kernel(gpu, launch, shape, op, variants, only, reps, res, value_dim=None):
+def per_kernel(gpu, launch, shape, op, variants, only, reps, res, value_dim=None,
+               value_heads=None):
     """Each Pallas call of one fwd+bwd, recorded while tracing, then timed alone on fresh inputs
     (small negative floats, so that gates decay; no kernel has data-dependent control flow)."""
     import jax
@@ -144,7 +146,7 @@ def per_kernel(gpu, launch, shape, op, variants, only, reps, res, value_dim=None
             return real(body, grid, ins, outs, **kwargs)
 
         q, k, v, beta, g, do = timing.make_inputs(B, T, H, D, value_dim or D, timing.GATE_OF[op],
-                                                  jnp.bfloat16)
+                                                  jnp.bfloat16, value_heads=value_heads)
         fwd = kernel_fn(gpu, gpu.GpuBlockSizes(**kw), 1.0 / math.sqrt(D))
         launch._call = record
         try:
@@ -178,6 +180,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", type=timing.shape_arg, default=(4, 4096, 16, 128), help="B,T,H,D")
     ap.add_argument("--value-dim", type=int, default=None, help="V per head (default D; fla's LM: 2D)")
+    ap.add_argument("--value-heads", type=int, default=None,
+                    help="HV value heads (grouped: a multiple of H; default H)")
     ap.add_argument("--ops", nargs="+", default=["gdn"], choices=sorted(timing.GATE_OF))
     ap.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     ap.add_argument("--set", nargs="+", metavar="FIELD=VALUE",
@@ -198,14 +202,17 @@ def main():
         variants["custom"] = _parse_set(args.set)
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shape": args.shape,
                "value_dim": args.value_dim or args.shape[3],
+               "value_heads": args.value_heads or args.shape[2],
                "variants": variants, "whole_op_ms": {}, "kernels_ms": {}}
     for op in args.ops:
         if args.per_kernel:
             per_kernel(gpu, gpu_launch, args.shape, op, variants, args.only, args.reps,
-                       results["kernels_ms"].setdefault(op, {}), args.value_dim)
+                       results["kernels_ms"].setdefault(op, {}), args.value_dim,
+                       args.value_heads)
         else:
             whole_op(gpu, args.shape, op, variants, args.modes, args.rounds, args.reps,
-                     results["whole_op_ms"].setdefault(op, {}), args.value_dim)
+                     results["whole_op_ms"].setdefault(op, {}), args.value_dim,
+                     args.value_heads)
         timing.save_json(results, args.out, "tune.json")
 
 

@@ -102,6 +102,31 @@ def test_channel_pieces_and_head_groups(strength):
                                         diag_heads=2, block_wu_channel=16))
 
 
+@pytest.mark.parametrize("group,diag_heads", [(2, 2), (2, 1), (4, 4)])
+def test_channel_grouped_heads_per_token_programs(group, diag_heads):
+    """KDA with grouped value heads (HV = G H): when G <= diag_heads a per-token program (K1d,
+    K4d) takes a whole group and its one shared q/k row ([1, K], broadcast against the [G, K]
+    gate rows); else one value head per program. Against the float32 scan with q and k
+    repeated per group: outputs, final state and every gradient (dq, dk summed over the group)."""
+    Hq = 2
+    args, w = make(26, gate="channel", K=16, V=16, T_=37, H_=Hq * group)
+    q, k = (x[:, :, ::group] for x in args[:2])       # one q/k head per group
+    grouped = [q, k] + list(args[2:])
+    kw = dict(block_sizes=GpuBlockSizes(diag_heads=diag_heads))
+
+    def repeated(q, k, *rest):
+        return reference(jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2), *rest)
+
+    o1, s1 = pallas(*grouped, **kw)
+    o2, s2 = repeated(*grouped)
+    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
+    argnums, g1 = grads(functools.partial(pallas, **kw), grouped, w)
+    _, g2 = grads(repeated, grouped, w)
+    for i, a, b in zip(argnums, g1, g2):
+        assert a.shape == grouped[i].shape, NAMES[i]
+        assert rel(a, b) < 1e-5, (NAMES[i], rel(a, b))
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
 def test_channel_fused_pairs_solve(dtype, tol):
     """KDA with the blocked inverse formed inside K1p (fla's inter + solve kernel), chunk 64."""

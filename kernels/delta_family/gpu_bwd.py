@@ -264,8 +264,9 @@ def channel_diag_bwd_kernel(r, cfg: KernelCfg):
     """
     i = pl.program_id(0) % SUB
     q_, k_, g_ = token_rows(r, cfg)
-    qi, ki = q_(i), k_(i)
-    cols = iota((qi.shape[0], SUB), 1)
+    qi, ki = q_(i), k_(i)         # [BH, K], or [1, K] shared by a group of BH value heads
+    nh = r["dq"].shape[0]
+    cols = iota((nh, SUB), 1)
 
     def at(x, j):
         return jnp.sum(jnp.where(cols == j, x, 0.0), axis=1)
@@ -288,7 +289,7 @@ def channel_diag_bwd_kernel(r, cfg: KernelCfg):
         db = db + dmj * jnp.sum(ki * kg, axis=1)
         return seg, dq, dk, db
 
-    zero = jnp.zeros_like(ki)
+    zero = jnp.zeros((nh, ki.shape[1]), F32)
     _, dq, dk, db = lax.fori_loop(0, i, later_end, (zero, zero, zero, jnp.zeros_like(bi)))
 
     def earlier_end(t, carry):

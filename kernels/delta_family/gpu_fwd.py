@@ -342,8 +342,9 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     """
     i = pl.program_id(0) % SUB
     q_, k_, g_ = token_rows(r, cfg)
-    qi, ki = q_(i), k_(i)
-    cols = iota((qi.shape[0], SUB), 1)
+    qi, ki = q_(i), k_(i)         # [BH, K], or [1, K] shared by a group of BH value heads
+    nh = r["m"].shape[0]
+    cols = iota((nh, SUB), 1)
     beta_i = load_f32(r["beta"], (i, slice(None)))
     # Each pair's value goes straight to its column (as fla's kernel stores it) rather than
     # into a [BH, 16] tile, which broadcast every reduced row across a layout change per step
@@ -362,7 +363,7 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
         r["p"][:, pl.ds(j, 1)] = jnp.sum(qi * kg, axis=1)[:, None].astype(r["p"].dtype)
         return seg
 
-    lax.fori_loop(0, i, body, jnp.zeros_like(ki))
+    lax.fori_loop(0, i, body, jnp.zeros((nh, ki.shape[1]), F32))
 
 
 def channel_pairs_kernel(r, cfg: KernelCfg):
