@@ -102,12 +102,13 @@ def test_channel_pieces_and_head_groups(strength):
                                         diag_heads=2, block_wu_channel=16))
 
 
-@pytest.mark.parametrize("group,diag_heads", [(2, 2), (2, 1), (4, 4)])
+@pytest.mark.parametrize("group,diag_heads", [(2, 2), (2, 1), (4, 4), (4, 2), (3, 2)])
 def test_channel_grouped_heads_per_token_programs(group, diag_heads):
-    """KDA with grouped value heads (HV = G H): when G <= diag_heads a per-token program (K1d,
-    K4d) takes a whole group and its one shared q/k row ([1, K], broadcast against the [G, K]
-    gate rows); else one value head per program. Against the float32 scan with q and k
-    repeated per group: outputs, final state and every gradient (dq, dk summed over the group)."""
+    """KDA with grouped value heads (HV = G H): a per-token program (K1d, K4d) takes
+    gcd(G, diag_heads) value heads of one group and their one shared q/k row ([1, K], broadcast
+    against the gate rows): a whole group, part of one (4, 2) or one head (2, 1), (3, 2).
+    Against the float32 scan with q and k repeated per group: outputs, final state and every
+    gradient (dq, dk summed over the group)."""
     Hq = 2
     args, w = make(26, gate="channel", K=16, V=16, T_=37, H_=Hq * group)
     q, k = (x[:, :, ::group] for x in args[:2])       # one q/k head per group
@@ -783,11 +784,12 @@ def test_gpu_value_head_dim_512(gate, dtype, tol):
     check_compiled_against_scan(24, gate, dtype, tol, K=256, V=512, T_=201, B_=1, H_=4)
 
 
-@pytest.mark.parametrize("gate", GATES)
-def test_triton_lowering_grouped_value_heads(gate):
-    """Grouped value heads (HV = 2 H, fla's GVA): the q/k BlockSpecs' head maps h // G lower to
-    Triton for every kernel, forward and backward."""
-    Hq, G_, K_, T_ = 2, 2, 128, 128
+@pytest.mark.parametrize("gate,G_", [(g, 2) for g in GATES] + [("channel", 4)])
+def test_triton_lowering_grouped_value_heads(gate, G_):
+    """Grouped value heads (HV = G H, fla's GVA): the q/k BlockSpecs' head maps lower to Triton
+    for every kernel, forward and backward (KDA's per-token kernels at K = 128 take 2 value
+    heads of a group per program: the whole group at G = 2, half of it at G = 4)."""
+    Hq, K_, T_ = 2, 128, 128
     args, _ = make(25, gate=gate, K=K_, V=K_, T_=T_, H_=Hq * G_)
     _, _, v, beta, g, s0 = args
     q, k = (x[:, :, :Hq].astype(jnp.bfloat16) for x in args[:2])

@@ -12,8 +12,8 @@ launcher per kernel: BlockSpecs, grid, buffers; the `jax.custom_vjp`); `gpu_fwd.
 (supported sizes and the argument checker shared with the ops and the TPU entry).
 
 Kernels. C = chunk size, NT = chunks, Tp = NT * C, NS = sequences (B, or N packed), BV =
-block_v, BVo = block_v_out, bh = diag_heads dividing H (grouped value heads: the group G when
-G <= diag_heads, sharing one q/k row, else 1). "Default" means GpuBlockSizes() at bf16
+block_v, BVo = block_v_out, bh = diag_heads dividing H (grouped value heads: gcd(G,
+diag_heads) heads of one group sharing one q/k row). "Default" means GpuBlockSizes() at bf16
 or float32; every kernel runs for every gate unless the column says otherwise.
 
   label kernel (gpu_fwd / gpu_bwd)       launcher (gpu_launch)  grid               runs when

@@ -122,22 +122,24 @@ def _token_specs(C, bh):
 
 
 def _diag_programs(st, C, H):
-    """KDA's per-token kernels (K1d, K4d): (value heads per program bh, their BlockSpecs, a spec
-    maker for q and k, the group to hand `_call`). Without grouping bh = diag_heads (dividing H).
-    With grouped value heads, a program takes one whole group (bh = G <= diag_heads): its G
-    value heads share one q/k head, loaded once as a [1, K] row that broadcasts against the
-    [G, K] gate rows; else one value head, reading its q/k head through `_shared_head`."""
+    """KDA's per-token kernels (K1d, K4d): (value heads per program bh, their BlockSpecs, a
+    spec maker for q and k that already maps value heads to q/k heads: launch with group=1).
+    Without grouping bh = diag_heads (dividing H). With grouped value heads (G per q/k head)
+    bh = gcd(G, diag_heads) value heads of one group: they share one q/k head, loaded once as a
+    [1, K] row that broadcasts against the [bh, K] gate rows (bh = 1: one value head reading
+    its group's q/k head, `_shared_head`'s mapping)."""
     G = st.group
     if G == 1:
         bh = math.gcd(st.bs.diag_heads, H)
-    else:
-        bh = G if G <= st.bs.diag_heads else 1
+        ts = _token_specs(C, bh)
+        return bh, ts, ts["block"]
+    bh = math.gcd(G, st.bs.diag_heads)
     ts = _token_specs(C, bh)
-    if G > 1 and bh == G:
-        def qk(d):      # program h (value heads hG .. hG + G - 1) reads q/k head h
-            return pl.BlockSpec((None, gm.SUB, 1, d), lambda t, h, b: (b, t // gm.SUB, h, 0))
-        return bh, ts, qk, 1
-    return bh, ts, ts["block"], G
+
+    def qk(d):      # program h (value heads h bh .. h bh + bh - 1) reads q/k head h bh // G
+        return pl.BlockSpec((None, gm.SUB, 1, d),
+                            lambda t, h, b: (b, t // gm.SUB, (h * bh) // G, 0))
+    return bh, ts, qk
 
 
 def _vblock_specs(C, bv):
@@ -239,13 +241,13 @@ def _intra_forward_split(st: Static, ins, outs, rows):
         # operand only (O, P^T dO), which rounds it to bf16 for bf16 inputs anyway, so bf16
         # storage changes no bit and lets the readers load it as stored.
         pmat = _sds((B, Tp, H, C), outs[0][1].dtype)
-        bh, ts, qk_spec, dgroup = _diag_programs(st, C, H)
+        bh, ts, qk_spec = _diag_programs(st, C, H)
         spec = {"beta": ts["bvec"], "g": ts["block"](kc.K)}
         d = _call(functools.partial(gpu_fwd.channel_diag_fwd_kernel, cfg=kc), (Tp, H // bh, B),
                   [(n, a, spec.get(n) or qk_spec(kc.K)) for n, a, _ in solve_ins],
                   [("m", mbuf[1], ts["drow"]), ("p", pmat, ts["drow"])],
                   name="delta_intra_diag", num_warps=bs.num_warps_diag, num_stages=1,
-                  interpret=st.interpret, group=dgroup)
+                  interpret=st.interpret, group=1)
         pair_ins = solve_ins + [("m_d", d["m"], rows(C)), ("p_d", d["p"], rows(C))]
         if kc.fuse_solve:       # T straight from the blocks: M is read, never written back
             r = _call(functools.partial(gpu_fwd.channel_pairs_kernel, cfg=kc), (NT, B, H),
@@ -495,7 +497,7 @@ def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
         # K4d: the diagonal blocks' pairwise terms, one program per token, added in place to
         # K4's dense parts (the gate's part to its own buffer); K4b: the off-diagonal ones and
         # the gate's reverse sum.
-        bh, ts, qk_spec, dgroup = _diag_programs(st, C, H)
+        bh, ts, qk_spec = _diag_programs(st, C, H)
         blk, row, qkb = ts["block"](K), ts["row"](K), qk_spec(K)
         d = _call(functools.partial(gpu_bwd.channel_diag_bwd_kernel, cfg=kc), (Tp, H // bh, B),
                   [("q", q, qkb), ("k", k, qkb), ("g", g, blk), ("beta", beta, ts["bvec"]),
@@ -506,7 +508,7 @@ def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
                    ("db", _sds((B, Tp, H), F32), ts["rvec"]),
                    ("dgd", _sds((B, Tp, H, K), F32), row)],
                   name="delta_intra_bwd_diag", num_warps=bs.num_warps_diag, num_stages=1,
-                  interpret=st.interpret, group=dgroup,
+                  interpret=st.interpret, group=1,
                   aliases={"dq_in": "dq", "dk_in": "dk", "db_in": "db"})
         ins = [("q", q, rows(K)), ("k", k, rows(K)), ("beta", beta, vec), ("g", g, rows(K)),
                ("dq_p", d["dq"], rows(K)), ("dk_p", d["dk"], rows(K)),
