@@ -10,8 +10,9 @@ Run under Nsight Compute on the GPU machine, from the repository root:
 Everything is compiled and warmed up first; only one call of each phase (ours fwd, ours fwd+bwd,
 fla fwd, fla fwd+bwd, per op) runs between cudaProfilerStart/Stop, each phase opened by a marker
 kernel (torch.cuda._sleep) so the CSV can be split into phases. Flags: --shape B,T,H,D, --ops,
---modes, --value-heads (grouped value heads, fla's GVA), --ours (VARIANTS of tune.py: our block sizes, one phase each). Kernel names map to
-the labels of the table in kernels/delta_family/gpu.py (delta_intra_solve = K1a, ...).
+--modes, --value-heads (grouped value heads, fla's GVA), --ours (VARIANTS of tune.py: our block
+sizes, one phase each). Kernel names map to the labels of the table in
+kernels/delta_family/gpu.py (delta_intra_solve = K1a, ...).
 """
 from __future__ import annotations
 

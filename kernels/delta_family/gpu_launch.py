@@ -242,9 +242,9 @@ def _intra_forward_split(st: Static, ins, outs, rows):
         # storage changes no bit and lets the readers load it as stored.
         pmat = _sds((B, Tp, H, C), outs[0][1].dtype)
         bh, ts, qk_spec = _diag_programs(st, C, H)
-        spec = {"beta": ts["bvec"], "g": ts["block"](kc.K)}
+        spec = {"q": qk_spec(kc.K), "k": qk_spec(kc.K), "beta": ts["bvec"], "g": ts["block"](kc.K)}
         d = _call(functools.partial(gpu_fwd.channel_diag_fwd_kernel, cfg=kc), (Tp, H // bh, B),
-                  [(n, a, spec.get(n) or qk_spec(kc.K)) for n, a, _ in solve_ins],
+                  [(n, a, spec[n]) for n, a, _ in solve_ins],
                   [("m", mbuf[1], ts["drow"]), ("p", pmat, ts["drow"])],
                   name="delta_intra_diag", num_warps=bs.num_warps_diag, num_stages=1,
                   interpret=st.interpret, group=1)
