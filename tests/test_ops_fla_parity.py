@@ -126,21 +126,22 @@ def test_fused_call_equals_unfused(op, impl):
     check(fused_fn(op, impl), unfused_fn(op), x)
 
 
-@pytest.mark.parametrize("impl", ["chunk", "pallas"])
-def test_packed_sequences(impl):
+@pytest.mark.parametrize("op,impl", [("gated_delta_rule", "chunk"),
+                                     ("gated_delta_rule", "pallas"), ("kda", "pallas")])
+def test_packed_sequences(op, impl):
     """cu_seqlens (an empty sequence, lengths not multiples of the chunk) with grouped heads and
     the fused gate."""
     cu = np.array([0, 9, 9, 30, 41], np.int32)
-    x = make(2, "gated_delta_rule", t=41, n_states=4)
-    check(fused_fn("gated_delta_rule", impl, cu=cu), unfused_fn("gated_delta_rule", cu=cu), x)
+    x = make(2, op, t=41, n_states=4)
+    check(fused_fn(op, impl, cu=cu), unfused_fn(op, cu=cu), x)
 
 
 @pytest.mark.parametrize("safe_gate", [False, True])
 def test_kda_lower_bound_gate(safe_gate):
     """KDA's bounded gate lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (safe_gate: fla's
-    speed hint, no numeric change here)."""
+    speed hint, no numeric change here), through the kernels too."""
     x = make(3, "kda")
-    for impl in ("recurrent", "chunk"):
+    for impl in ("recurrent", "chunk") + (("pallas",) if safe_gate else ()):
         check(fused_fn("kda", impl, lower_bound=-5.0, safe_gate=safe_gate),
               unfused_fn("kda", lower_bound=-5.0), x)
 
