@@ -46,7 +46,7 @@ VARIANTS = {
     "pairs_w2": dict(num_warps_pairs=2),
     "pairs_bk32": dict(block_k_pairs=32),
     "pairs_bk128_s1": dict(block_k_pairs=128, num_stages_pairs=1),
-    "pairs_fused_solve": dict(fuse_pairs_solve=True),
+    "pairs_split_solve": dict(fuse_pairs_solve=False),      # bf16 KDA: K1a forms T
     "pairs_bwd_bk128": dict(block_k_pairs_bwd=128),
     "wuc32_s3": dict(block_wu_channel=32, num_stages_intra=3),
     # K2 / K2o (state pass, output)

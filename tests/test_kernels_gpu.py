@@ -129,11 +129,13 @@ def test_channel_grouped_heads_per_token_programs(group, diag_heads):
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-def test_channel_fused_pairs_solve(dtype, tol):
-    """KDA with the blocked inverse formed inside K1p (fla's inter + solve kernel), chunk 64."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_channel_fused_pairs_solve(dtype, tol, fuse):
+    """KDA with the blocked inverse formed inside K1p (fla's inter + solve kernel; the default
+    for bf16) or by the separate solve kernel (the default for float32), chunk 64."""
     args, w = make(22, gate="channel", K=32, V=16, T_=77, H_=2)
     args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
-    check_all(args, w, tol, chunk_size=64, block_sizes=GpuBlockSizes(fuse_pairs_solve=True))
+    check_all(args, w, tol, chunk_size=64, block_sizes=GpuBlockSizes(fuse_pairs_solve=fuse))
 
 
 def test_f32_no_initial_state_chunk32_and_no_beta():
@@ -506,9 +508,9 @@ def check_lowering(n_max, gate, K, V, dtype, **kw):
                                           ("scalar", 64, jnp.float32),
                                           ("channel", 128, jnp.bfloat16)])
 def test_triton_lowering(gate, K, dtype):
-    # K1 (split in K1a + K1b, after K1d + K1p for the channel gate), lean K2, output, K3
-    # (K3a + lean K3 for the scalar gate), K4 (+ K4d + K4b for the channel gate)
-    check_lowering({"none": 6, "scalar": 7, "channel": 10}[gate], gate, K, K, dtype)
+    # K1 (split in K1a + K1b; for the channel gate K1d, then K1p forming T, then K1b), lean K2,
+    # output, K3 (K3a + lean K3 for the scalar gate), K4 (+ K4d + K4b for the channel gate)
+    check_lowering({"none": 6, "scalar": 7, "channel": 9}[gate], gate, K, K, dtype)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -526,15 +528,15 @@ def test_triton_lowering_split_state_bwd(gate):
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 def test_triton_lowering_split_intra(gate):
-    # K1 becomes K1a (solve) + K1b (W, U0), after K1d + K1p (M and P) for the channel gate
-    check_lowering(10 if gate == "channel" else 6, gate, 128, 128, jnp.bfloat16,
+    # K1 becomes K1a (solve) + K1b (W, U0); for the channel gate K1d + K1p (M, P and T) + K1b
+    check_lowering(9 if gate == "channel" else 6, gate, 128, 128, jnp.bfloat16,
                    block_sizes=GpuBlockSizes(split_intra=True, split_state_bwd=False))
 
 
-def test_triton_lowering_fused_pairs_solve():
-    # K1p forms T itself: no separate solve kernel
-    check_lowering(9, "channel", 128, 128, jnp.bfloat16,
-                   block_sizes=GpuBlockSizes(fuse_pairs_solve=True))
+def test_triton_lowering_split_pairs_solve():
+    # K1p writes M and the solve kernel K1a forms T (bf16's default until 2026-11-26)
+    check_lowering(10, "channel", 128, 128, jnp.bfloat16,
+                   block_sizes=GpuBlockSizes(fuse_pairs_solve=False))
 
 
 def test_triton_lowering_varlen_normalize():

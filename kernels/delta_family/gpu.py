@@ -20,8 +20,10 @@ or float32; every kernel runs for every gate unless the column says otherwise.
   K1    intra_fwd_kernel(part="all")     _intra_forward         (NT, B, H)         split_intra=False
   K1d   channel_diag_fwd_kernel          _intra_forward_split   (Tp, H/bh, B)      channel gate (KDA)
   K1p   channel_pairs_kernel             _intra_forward_split   (NT, B, H)         channel gate (KDA)
-  K1a   intra_fwd_kernel(part="solve")   _intra_forward_split   (NT, B, H)         default; not with
+  K1a   intra_fwd_kernel(part="solve")   _intra_forward_split   (NT, B, H)         default; KDA only
+                                                                                   without
                                                                                    fuse_pairs_solve
+                                                                                   (float32)
   K1b   intra_fwd_kernel(part="wu")      _intra_forward_split   (NT, B, H)         default
   K2    state_fwd_lean_kernel            _state_forward_lean    (NS, H, V/BV)      default
         state_fwd_kernel                 _state_forward_fused   (NS, H, V/BV)      fuse_output=True
