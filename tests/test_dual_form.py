@@ -122,6 +122,28 @@ def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypa
         assert rel(a, b) < 1e-6, (path, rel(a, b))
 
 
+@pytest.mark.parametrize("name", ["titans", "ttt_mlp"])
+def test_whole_chunks_of_padding_leave_the_state_alone(name):
+    """A packed row ending in whole chunks of padding (valid False after the last document): the
+    final state equals the call on the real tokens alone. The dual form applies no select for
+    such chunks when the steps need no group padding (the chunk terms themselves give padding
+    zero step size, no decay and ν = 1): this pins that they do."""
+    spec, chunk, real = _spec(name), 8, 19
+    q, k, v, knobs, state, _ = _inputs(spec, 6, 1, 40, 2, 4, 4)
+    restarts = jnp.zeros((1, 40), bool).at[:, 0].set(True)
+    valid = jnp.arange(40)[None] < real                      # chunks 3 and 4: only padding
+    with chunked.dual_form():
+        _, padded = spec(q, k, v, **knobs, initial_state=state, output_final_state=True, impl="chunk",
+                         chunk_size=chunk, restarts=restarts, valid=valid)
+        cut = lambda x: x[:, :real]                           # noqa: E731
+        _, alone = spec(cut(q), cut(k), cut(v), **jax.tree.map(cut, knobs), initial_state=state,
+                        output_final_state=True, impl="chunk", chunk_size=chunk)
+    for path, a, b in _paired(padded.params, alone.params):
+        assert rel(a, b) < 1e-6, (path, rel(a, b))
+    for path, a, b in _paired(padded.opt_state, alone.opt_state):
+        assert rel(a, b) < 1e-6, (path, rel(a, b))
+
+
 @pytest.mark.slow
 def test_memora_chunk_end_softmax_map_through_the_dual_form():
     # Outputs and states only: Memora's softmax-then-LayerNorm read amplifies float32 rounding, so

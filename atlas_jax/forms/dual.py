@@ -298,19 +298,23 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
     return outputs
 
 
-def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps):
+def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_chunks=True):
     """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out]).
 
-    With ``features`` the steps carry raw k and scale·q, and φ is formed here, chunk-locally."""
+    With ``features`` the steps carry raw k and scale·q, and φ is formed here, chunk-locally.
+    ``padding_chunks``: whole chunks of padding may occur (they must leave the state alone)."""
     terms = chunk_terms(spec, opt_info, features, xc, carry.window)
     layer_inputs, cotangents = source_pass(spec, carry.params, terms)
     new_state = chunk_end(spec, opt_info, carry, terms, layer_inputs, cotangents)
     momentum0 = None if terms.momentum_rows is None else carry.opt_state.momentum
     outputs = chunk_read(spec, carry.params, momentum0, new_state.params, terms, layer_inputs, cotangents)
     new_state = new_state._replace(window=terms.next_window)
-    # Whole chunks of padding (added to fill the last rematerialisation group) leave the state alone.
-    any_real = jnp.any(xc.active > 0)
-    new_state = jax.tree.map(lambda new, old: jnp.where(any_real, new, old), new_state, carry)
+    if padding_chunks:
+        # Whole chunks of padding (added to fill the last rematerialisation group) leave the state
+        # alone. Without them the select is skipped: it reads and writes the whole state (θ and
+        # the momentum) once more per chunk, and again in the backward pass.
+        any_real = jnp.any(xc.active > 0)
+        new_state = jax.tree.map(lambda new, old: jnp.where(any_real, new, old), new_state, carry)
     return new_state, outputs
 
 
@@ -333,8 +337,8 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
 
-    chunk = jax.checkpoint(restarting_chunks(lambda carry, xc: _one_chunk(spec, opt_info, features, carry, xc),
-                                             state))
+    chunk = jax.checkpoint(restarting_chunks(
+        lambda carry, xc: _one_chunk(spec, opt_info, features, carry, xc, padding_chunks=pad >= b), state))
     if per_group == 1:
         chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
         final, outputs = jax.lax.scan(chunk, state, chunks)
