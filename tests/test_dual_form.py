@@ -122,6 +122,22 @@ def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypa
         assert rel(a, b) < 1e-6, (path, rel(a, b))
 
 
+def test_unrolled_chunk_scan_gives_the_same_results(monkeypatch):
+    """At UNROLL_MIN_CHUNKS chunks or more the scan over chunks takes CHUNK_UNROLL chunks per
+    iteration (fewer copies of the carried state): 18 chunks of 4 (not a multiple of the unroll,
+    the last one partly padding), outputs, final state and gradients against one chunk per
+    iteration."""
+    spec, chunk, T = _spec("titans"), 4, 70
+    assert -(-T // chunk) >= dual.UNROLL_MIN_CHUNKS and (-(-T // chunk)) % dual.CHUNK_UNROLL
+    args = _inputs(spec, 7, 1, T, 1, 4, 4)
+    with chunked.dual_form():
+        unrolled = _loss_and_grads(spec, *args, chunk)
+        monkeypatch.setattr(dual, "UNROLL_MIN_CHUNKS", 10 ** 9)
+        single = _loss_and_grads(spec, *args, chunk)
+    for path, a, b in _paired(unrolled, single):
+        assert rel(a, b) < 1e-6, (path, rel(a, b))
+
+
 @pytest.mark.parametrize("name", ["titans", "ttt_mlp"])
 def test_whole_chunks_of_padding_leave_the_state_alone(name):
     """A packed row ending in whole chunks of padding (valid False after the last document): the
