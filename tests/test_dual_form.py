@@ -34,6 +34,8 @@ def _spec(name):
         return dataclasses.replace(presets.get("titans", hidden=16), optimizer=opt.momentum(0.5, 0.9))
     if name == "omeganet_forget_first":   # gradients at the decayed P_t θ₀, one pass per (step, window position)
         return dataclasses.replace(presets.get("omeganet", hidden=16), retention=ret.scalar())
+    if name == "titans_window":   # an Omega window without a feature map: θ-free terms hoisted
+        return dataclasses.replace(presets.get("titans", hidden=16), window=3)
     if name == "ttt_mlp_implicit":
         return dataclasses.replace(presets.get("ttt_mlp", hidden=16), optimizer=opt.implicit_gd())
     return presets.get(name, hidden=16)
@@ -76,13 +78,15 @@ def _assert_forms_agree(name, chunk, T, per_position_gates=False, gradients=True
 
 
 # Odd T, chunks 8 / 16 / 64, the last chunk partly padding; omeganet with per-position window gates.
+# titans_window: a window without a feature map, whose chunks' θ-free terms (the entering windows
+# included) are formed before the scan (`dual._hoists_terms`), with per-position gates too.
 CASES = [("titans", 8, 37), ("omeganet", 16, 41), ("atlas", 64, 69), ("dla", 8, 29), ("moneta", 16, 33),
-         ("yaad", 64, 67)]
+         ("yaad", 64, 67), ("titans_window", 16, 45)]
 
 
 @pytest.mark.parametrize("name,chunk,T", CASES, ids=[f"{n}-C{c}-T{t}" for n, c, t in CASES])
 def test_dual_form_equals_the_materialising_form_outputs_states_and_gradients(name, chunk, T):
-    _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
+    _assert_forms_agree(name, chunk, T, per_position_gates=name in ("omeganet", "titans_window"))
 
 
 SLOW_CASES = [("titans_outside", 16, 45), ("omeganet_forget_first", 8, 23), ("ttt_mlp_implicit", 8, 19),

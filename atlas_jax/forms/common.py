@@ -35,14 +35,15 @@ def restarted(carry, initial, restart):
     return jax.tree.map(lambda c, i: jnp.where(restart > 0, i, c), carry, initial)
 
 
-def restarting_chunks(one_chunk, initial):
+def restarting_chunks(one_chunk, initial, steps_of=lambda xs: xs):
     """A chunk-scan body that starts a chunk from ``initial`` where its first step restarts. The
     chunk-start forms restart only at chunk boundaries: a chunk with a restart inside gives NaN
-    outputs (loud, not wrong)."""
-    def body(carry, xc: Steps):
+    outputs (loud, not wrong). ``steps_of`` finds the chunk's Steps in the scanned ``xs``."""
+    def body(carry, xs):
+        xc = steps_of(xs)
         if xc.restart is None:
-            return one_chunk(carry, xc)
-        new_state, outputs = one_chunk(restarted(carry, initial, xc.restart[0]), xc)
+            return one_chunk(carry, xs)
+        new_state, outputs = one_chunk(restarted(carry, initial, xc.restart[0]), xs)
         inside = jnp.any(xc.restart[1:] > 0)
         return new_state, jnp.where(inside, jnp.nan, outputs)
     return body
