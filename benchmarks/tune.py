@@ -47,10 +47,6 @@ VARIANTS = {
     "pairs_bk32": dict(block_k_pairs=32),
     "pairs_bk128_s1": dict(block_k_pairs=128, num_stages_pairs=1),
     "pairs_split_solve": dict(fuse_pairs_solve=False),      # bf16 KDA: K1a forms T
-    "pairs_wu": dict(fuse_pairs_wu=True),                    # bf16 KDA: K1p also does K1b's work
-    "pairs_wu_w2": dict(fuse_pairs_wu=True, num_warps_pairs=2),
-    "pairs_wu_w4": dict(fuse_pairs_wu=True, num_warps_pairs=4),
-    "pairs_wu_w4_s3": dict(fuse_pairs_wu=True, num_warps_pairs=4, num_stages_pairs=3),
     "pairs_bwd_bk128": dict(block_k_pairs_bwd=128),
     "wuc32_s3": dict(block_wu_channel=32, num_stages_intra=3),
     # K2 / K2o (state pass, output)

@@ -128,19 +128,14 @@ def test_channel_grouped_heads_per_token_programs(group, diag_heads):
         assert rel(a, b) < 1e-5, (NAMES[i], rel(a, b))
 
 
-@pytest.mark.parametrize("dtype,tol,layout", [
-    (jnp.float32, 1e-5, dict(fuse_pairs_solve=True)),
-    (jnp.bfloat16, 1e-2, dict(fuse_pairs_solve=False)),
-    (jnp.float32, 1e-5, dict(fuse_pairs_solve=True, fuse_pairs_wu=True)),
-], ids=["f32-pairs-solve", "bf16-split-solve", "f32-pairs-wu"])
-def test_channel_fused_pairs_solve(dtype, tol, layout):
-    """KDA with the layouts that are not its dtype's default (every other channel test runs the
+@pytest.mark.parametrize("dtype,tol,fuse", [(jnp.float32, 1e-5, True), (jnp.bfloat16, 1e-2, False)])
+def test_channel_fused_pairs_solve(dtype, tol, fuse):
+    """KDA with the layout that is not its dtype's default (every other channel test runs the
     default): the blocked inverse formed inside K1p (fla's inter + solve kernel; bf16's default)
-    in float32, the separate solve kernel (float32's default) in bf16, and K1p going on with
-    K1b's work from its own T (fuse_pairs_wu); chunk 64."""
+    in float32, the separate solve kernel (float32's default) in bf16; chunk 64."""
     args, w = make(22, gate="channel", K=32, V=16, T_=77, H_=2)
     args = [None if a is None else a.astype(dtype) if i < 4 else a for i, a in enumerate(args)]
-    check_all(args, w, tol, chunk_size=64, block_sizes=GpuBlockSizes(**layout))
+    check_all(args, w, tol, chunk_size=64, block_sizes=GpuBlockSizes(fuse_pairs_solve=fuse))
 
 
 def test_f32_no_initial_state_chunk32_and_no_beta():
@@ -454,8 +449,7 @@ def test_validation_errors():
                        ("num_stages_state", dict(num_stages_state=0)),
                        ("diag_heads", dict(diag_heads=3)),
                        ("block_k_pairs_bwd", dict(block_k_pairs_bwd=8)),
-                       ("num_warps_pairs", dict(num_warps_pairs=0)),
-                       ("fuse_pairs_wu", dict(fuse_pairs_solve=False, fuse_pairs_wu=True))]
+                       ("num_warps_pairs", dict(num_warps_pairs=0))]
     for name, kw in bad_block_sizes:
         with pytest.raises(ValueError, match=name):
             f(q, k, v, beta, g, block_sizes=GpuBlockSizes(**kw))
@@ -537,12 +531,6 @@ def test_triton_lowering_split_intra(gate):
     # K1 becomes K1a (solve) + K1b (W, U0); for the channel gate K1d + K1p (M, P and T) + K1b
     check_lowering(9 if gate == "channel" else 6, gate, 128, 128, jnp.bfloat16,
                    block_sizes=GpuBlockSizes(split_intra=True, split_state_bwd=False))
-
-
-def test_triton_lowering_pairs_wu():
-    # K1p forms T and does K1b's work: no K1b launch
-    check_lowering(8, "channel", 128, 128, jnp.bfloat16,
-                   block_sizes=GpuBlockSizes(fuse_pairs_wu=True))
 
 
 def test_triton_lowering_split_pairs_solve():

@@ -209,7 +209,6 @@ def prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_si
                       block_k_pairs=bs.block_k_pairs,
                       pre_gates=gate != "none" and bool(bs.split_intra),
                       fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve),
-                      fuse_wu=gate == "channel" and bool(bs.fuse_pairs_wu),
                       block_k_out=bs.block_k_out, block_wu=bs.block_wu,
                       block_wu_channel=bs.block_wu_channel,
                       block_kkt=int(bs.block_k_kkt))

@@ -59,10 +59,6 @@ class GpuBlockSizes:
                     >= 16), K1p's loop over num_stages_pairs stages.
     num_warps_pairs / num_warps_pairs_bwd: warps of K1p / K4b.
     fuse_pairs_solve: KDA: K1p also forms T in registers (no separate K1a); default: bf16 inputs.
-    fuse_pairs_wu:  KDA with fuse_pairs_solve: K1p also does K1b's work (W, U0 and the state
-                    passes' gate operands) from its own T behind a barrier, so T, q, k and the
-                    gate are not read back by a separate kernel; launched with K1p's warps and
-                    stages.
     block_k_out / num_stages_out: KDA: K columns per piece of K2o's loop over K, and its stages.
     block_wu:       no / scalar gate: columns per piece of K1b's W = T X, U0 = T Y; also the
                     V columns per piece of U0 in the one-kernel K1 and with in-kernel q/k
@@ -98,7 +94,6 @@ class GpuBlockSizes:
     num_warps_pairs: int | None = None
     num_warps_pairs_bwd: int | None = None
     fuse_pairs_solve: bool | None = None
-    fuse_pairs_wu: bool | None = None
     block_k_out: int | None = None
     num_stages_out: int | None = None
     block_wu: int | None = None
@@ -170,7 +165,6 @@ class GpuBlockSizes:
             # bf16: K1p forms T itself (H200, KDA B4 T4096 HV 32 fwd: 1.711 vs 1.738 ms, 1.4%
             # faster the session before; H16 the same time); float32 keeps the split solve.
             fuse_pairs_solve=bool(_given(self.fuse_pairs_solve, low)),
-            fuse_pairs_wu=bool(_given(self.fuse_pairs_wu, False)),
             block_k_out=_given(self.block_k_out, 64),
             num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1),
             block_wu=_given(self.block_wu, 64),
@@ -218,13 +212,6 @@ class GpuBlockSizes:
         if not _is_int(b) or (b != 0 and (b < 16 or b & (b - 1))):
             raise ValueError(f"{op}: argument `block_sizes.block_k_kkt` must be 0 (off) or a power "
                              f"of two >= 16 (K columns per piece); got {b!r}.")
-        if self.fuse_pairs_wu and not (self.fuse_pairs_solve and self.split_intra):
-            raise ValueError(f"{op}: argument `block_sizes.fuse_pairs_wu` needs K1p to form T "
-                             f"itself: set `fuse_pairs_solve=True` (and keep `split_intra`), or "
-                             f"leave fuse_pairs_wu unset.")
-        if self.fuse_pairs_wu and not HAS_BARRIER and not interpret:
-            raise ValueError(f"{op}: `block_sizes.fuse_pairs_wu` needs "
-                             f"jax.experimental.pallas.triton.debug_barrier (missing here).")
         if self.wide_intra and not HAS_BARRIER and not interpret:
             raise ValueError(f"{op}: `block_sizes.wide_intra` needs "
                              f"jax.experimental.pallas.triton.debug_barrier (missing here).")

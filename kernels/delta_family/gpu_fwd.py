@@ -6,8 +6,7 @@ Labels as in the table of `gpu.py` (C = chunk size; math in `gpu_math.py`):
                                        gate; from K1d + K1p's M for the channel gate)
   K1b  intra_fwd_kernel(part="wu")     W = T X, U0 = T Y (+ the state passes' gate operands)
   K1d  channel_diag_fwd_kernel         KDA: diagonal 16x16 blocks of M and P, one token a program
-  K1p  channel_pairs_kernel            KDA: the off-diagonal blocks of M and P (+ T if fused,
-                                       + K1b's outputs with cfg.fuse_wu)
+  K1p  channel_pairs_kernel            KDA: the off-diagonal blocks of M and P (+ T if fused)
   K2   state_fwd_lean_kernel           sequential: h per chunk, v_new, final state
        state_fwd_kernel                sequential, fused_output: also O
   K2o  output_kernel                   parallel over chunks: O = (Gam q) h + P v_new
@@ -371,8 +370,7 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
     """K1p (channel gate, split K1): the strictly lower off-diagonal blocks of M = diag(beta) A
     into the float32 m buffer and of P into p (zeros above the diagonal), written around K1d's
     diagonal blocks (both buffers are aliased in and out); with cfg.fuse_solve the inverse T
-    of the whole chunk into the tmat output instead (M is then only read; no solve kernel),
-    and with cfg.fuse_wu also K1b's outputs (W, U0, the gate operands) from that T.
+    of the whole chunk into the tmat output instead (M is then only read; no solve kernel).
 
     As fla's inter-block kernel: a loop over pieces of block_k_pairs columns of K, each adding
     its share of every block pair to [16, 16] accumulators (12 at C = 64), so that only one
@@ -419,12 +417,6 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
         for i in range(nb):
             M[i, i] = load_f32(r["m_d"], (pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)))
         store_lower_blocks(r, "tmat", blocked_inverse(M, nb, cfg), nb)
-        if cfg.fuse_wu:
-            # K1b's work in this program: T is read back from its just-written (cache-hot)
-            # block behind a barrier, and q, k, the gate come again from the cache, not from a
-            # second kernel's pass over memory.
-            barrier(cfg)
-            _wu_channel_pieces(r, cfg)
     else:
         for (i, j) in pairs:
             r["m"][pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = M[i, j]

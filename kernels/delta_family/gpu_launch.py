@@ -249,13 +249,6 @@ def _intra_forward_split(st: Static, ins, outs, rows):
                   name="delta_intra_diag", num_warps=bs.num_warps_diag, num_stages=1,
                   interpret=st.interpret, group=1)
         pair_ins = solve_ins + [("m_d", d["m"], rows(C)), ("p_d", d["p"], rows(C))]
-        if kc.fuse_wu:          # K1p forms T and goes on with K1b's work (no K1b launch)
-            return _call(functools.partial(gpu_fwd.channel_pairs_kernel, cfg=kc), (NT, B, H),
-                         pair_ins + [x for x in ins if x[0] == "v"],
-                         [tmat, ("p", pmat, rows(C))] + outs + _wu_gate_outs(kc, outs),
-                         name="delta_intra_pairs_wu", num_warps=bs.num_warps_pairs,
-                         num_stages=bs.num_stages_pairs, interpret=st.interpret,
-                         group=st.group, aliases={"p_d": "p"})
         if kc.fuse_solve:       # T straight from the blocks: M is read, never written back
             r = _call(functools.partial(gpu_fwd.channel_pairs_kernel, cfg=kc), (NT, B, H),
                       pair_ins, [tmat, ("p", pmat, rows(C))], name="delta_intra_pairs",
@@ -282,27 +275,19 @@ def _intra_forward_split(st: Static, ins, outs, rows):
                   num_warps=bs.num_warps_solve, num_stages=bs.num_stages_solve,
                   interpret=st.interpret, group=st.group)
     wu_ins = [x for x in ins if x[0] != "q" or kc.pre_gates] + [("tmat", r["tmat"], rows(C))]
-    outs = outs + _wu_gate_outs(kc, outs)
+    if kc.pre_gates and kc.gate == "scalar":
+        outs = outs + [("gcum", _sds((B, Tp, H), F32), _chunk_specs(C)[1])]
+    elif kc.pre_gates:
+        K = kc.K
+        outs = outs + [("qg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
+                       ("kg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
+                       ("gend", _sds((B, NT, H, K), F32),
+                        pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, n, h, 0)))]
     r.update(_call(functools.partial(gpu_fwd.intra_fwd_kernel, cfg=kc, store_t=False, part="wu"),
                    (NT, B, H), wu_ins, outs, name="delta_intra_wu",
                    num_warps=bs.num_warps_intra, num_stages=bs.num_stages_intra,
                    interpret=st.interpret, group=st.group))
     return r
-
-
-def _wu_gate_outs(kc, outs):
-    """K1b's outputs beside W, U0 (given as `outs`): the state passes' gate operands."""
-    B, Tp, H, _ = outs[0][1].shape
-    C, NT, K = kc.C, Tp // kc.C, kc.K
-    rows, vec = _chunk_specs(C)
-    if not kc.pre_gates:
-        return []
-    if kc.gate == "scalar":
-        return [("gcum", _sds((B, Tp, H), F32), vec)]
-    return [("qg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
-            ("kg", _sds((B, Tp, H, K), outs[0][1].dtype), rows(K)),
-            ("gend", _sds((B, NT, H, K), F32),
-             pl.BlockSpec((None, None, None, K), lambda n, b, h: (b, n, h, 0)))]
 
 
 def _state_forward(st: Static, q, k, v, g, s0, offs, r1, save):

@@ -95,7 +95,6 @@ class KernelCfg:
     #                              gate's cumulative gate; the channel gate's Gam q,
     #                              exp(G_C - G) k and exp(G_C)
     fuse_solve: bool = False     # channel gate: K1p also forms the inverse T (no solve kernel)
-    fuse_wu: bool = False        # ... and then does K1b's work from it (no K1b kernel)
     block_k_out: int = 64        # K columns per piece of the output kernel's loop
     block_wu: int = 64           # columns per piece of K1b's W = T X, U0 = T Y (scalar/no gate)
     block_wu_channel: int = 64   # the same for the channel gate (gate operands, W, U0)
