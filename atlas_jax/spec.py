@@ -13,7 +13,8 @@
   "pallas"     the Pallas kernels (interpret mode on CPU): the delta family's, and the exact Omega rule's
                on a linear memory (ℓ2 and swla's dot, through ``ops.omega_linear``); ``has_kernel``;
   "auto"       "pallas" on GPU/TPU where a kernel covers the call (the delta family; the Omega rule up to
-               d_φ = ``forms.chunked.OMEGA_AUTO_MAX_DIM``), else "chunk".
+               d_φ = ``forms.chunked.OMEGA_AUTO_MAX_DIM``; a depth-2 MLP memory's sequential pass for
+               bf16 inputs on a GPU, ``forms.chunked.deep_kernel_route``), else "chunk".
 
 Layout [B, T, H, D] as in flash-linear-attention. Per-token knobs, all [B, T, H] unless noted:
   beta   β_t step size (default: the optimizer's own); [B, T, H, n] with n inner steps per token;
@@ -463,7 +464,8 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         pad = (-total) % chunk_size
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
         run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features)
-    if deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size, features=features):
+    if deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size, features=features,
+                         low_precision=low_precision):
         # The dual form with its sequential pass on the deep-memory kernel (bf16 dots for bf16 inputs).
         final, o = dual_batched_kernel(spec, state, padded, chunk_size=chunk_size, features=features,
                                        low_precision=low_precision)

@@ -95,18 +95,32 @@ def test_kernel_bf16_sources(kernel):
     assert tree_rel(final, final_r) <= 2e-2 and tree_rel(starts, starts_r) <= 2e-2
 
 
-@pytest.mark.parametrize("N,kernel", [(1, "gpu"), (1, "tpu"), (3, "gpu")])
-def test_kernel_one_chunk_and_several_hidden_tiles(N, kernel):
-    """N = 1: the initial state is the only start state and the only chunk writes the final state;
-    the GPU kernel at block_hidden 16 walks two hidden tiles per sweep (h = 32)."""
+@pytest.mark.parametrize("N,kernel", [(1, "gpu"), (1, "tpu")])
+def test_kernel_one_chunk(N, kernel):
+    """N = 1: the initial state is the only start state and the only chunk writes the final state."""
     args = _operands(10, momentum=True, N=N)
-    block_sizes = MLPGpuBlockSizes(16, num_stages=3) if kernel == "gpu" else None
     want = _states_and_grads("chunk", args, activation="gelu", residual=False)
-    run = functools.partial(mlp_state_pass, block_sizes=block_sizes)
-    got = _states_and_grads("pallas", args, activation="gelu", residual=False, kernel=kernel, run=run)
+    got = _states_and_grads("pallas", args, activation="gelu", residual=False, kernel=kernel)
     assert tree_rel(got[0], want[0]) <= TOL
     for index, (g, g_r) in enumerate(zip(got[1], want[1])):
         assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
+
+
+@pytest.mark.parametrize("momentum,residual,activation,dtype", [
+    (True, False, "gelu", jnp.float32), (False, True, "silu", jnp.float32), (True, True, "tanh", jnp.float32),
+    (True, False, "gelu", jnp.bfloat16)])
+def test_gpu_backward_kernel_equals_reference(momentum, residual, activation, dtype):
+    """The GPU kernel's own backward pass (``backward="kernel"``; the default runs the reverse pass
+    in XLA) against the XLA reference's gradients, in interpret mode (one hidden tile per head)."""
+    args = _operands(11, momentum=momentum, N=4, dtype=dtype)
+    ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
+    run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(backward="kernel"))
+    want = _states_and_grads("chunk", ref_args, activation=activation, residual=residual)
+    got = _states_and_grads("pallas", args, activation=activation, residual=residual, kernel="gpu", run=run)
+    tol = TOL if dtype == jnp.float32 else 2e-2
+    assert tree_rel(got[0], want[0]) <= tol
+    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
+        assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
 
 
 def _window_spec():
@@ -170,17 +184,22 @@ def test_routing_and_errors():
         mlp_state_pass(*args, impl="pallas", kernel="tpu", block_sizes=MLPGpuBlockSizes())
     with pytest.raises(ValueError, match="vmem_limit_bytes"):
         mlp_state_pass(*args, impl="pallas", kernel="tpu", block_sizes=MLPTpuBlockSizes(-1))
-    with pytest.raises(ValueError, match="num_stages"):
-        mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(num_stages=0))
+    with pytest.raises(ValueError, match="num_warps_fwd"):
+        mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(num_warps_fwd=3))
+    with pytest.raises(ValueError, match="backward"):
+        mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(backward="fast"))
+    # interpret mode: one hidden tile per head (h = 32 here), else a barrier could never be met
+    with pytest.raises(ValueError, match="interpret mode"):
+        mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(block_hidden=16))
 
 
-def _export(kernel, dtype, momentum, n=64, d=128, h=512, dv=128):
+def _export(kernel, dtype, momentum, n=64, d=128, h=512, dv=128, block_sizes=None):
     """How many kernel calls the exported forward + backward holds (Triton for CUDA, Mosaic for TPU)."""
     export = pytest.importorskip("jax.export")
     state, a, t, rows, mrows, decay, carry, mcarry = _operands(6, momentum=momentum, B=2, H=2, N=3, n=n, d=d,
                                                                 h=h, dv=dv, dtype=dtype)
     run = functools.partial(mlp_state_pass, activation="gelu", residual=d == dv, impl="pallas", kernel=kernel,
-                            interpret=False)
+                            interpret=False, block_sizes=block_sizes)
 
     def loss(state, a):
         starts, final = run(state, a, t, rows, mrows, decay, carry, mcarry)
@@ -195,8 +214,10 @@ def _export(kernel, dtype, momentum, n=64, d=128, h=512, dv=128):
     return exp.mlir_module().count(marker)
 
 
-def test_kernel_lowers_to_triton_for_cuda():
-    assert _export("gpu", jnp.bfloat16, True) == 1
+@pytest.mark.parametrize("dtype,backward,calls", [(jnp.bfloat16, "xla", 1), (jnp.float32, "kernel", 2)])
+def test_kernel_lowers_to_triton_for_cuda(dtype, backward, calls):
+    """The persistent forward (and backward) kernels with several hidden tiles (h 512 / 64)."""
+    assert _export("gpu", dtype, True, block_sizes=MLPGpuBlockSizes(backward=backward)) == calls
 
 
 @pytest.mark.parametrize("dtype,momentum,sizes", [
@@ -211,22 +232,18 @@ def test_kernel_lowers_to_mosaic_for_tpu(dtype, momentum, sizes):
 
 # ---- compiled on a GPU ----------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["xla", "kernel"])
 @pytest.mark.parametrize("momentum,residual,dtype", [(True, False, jnp.float32), (False, True, jnp.float32),
                                                      (True, False, jnp.bfloat16)])
-def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype):
+def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype, backward):
+    """Several hidden tiles per head (h 512, tiles of 64): the grid barrier's cross-tile sums."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     jax.config.update("jax_default_matmul_precision", "highest")   # the XLA reference in float32, not TF32
-    # float32's split-operand dots make a large program: a narrower hidden width compiles faster.
-    hidden = 512 if dtype == jnp.bfloat16 else 128
-    args = _operands(8, momentum=momentum, B=2, H=3, N=5, n=64, d=128, h=hidden, dv=128, dtype=dtype)
-    if momentum and dtype == jnp.float32:
-        # a documented limit (kernels/deep_memory/gpu.py): a clear error, not Triton's out-of-memory
-        with pytest.raises(NotImplementedError, match="bfloat16"):
-            _states_and_grads("pallas", args, activation="gelu", residual=residual)
-        return
+    args = _operands(8, momentum=momentum, B=2, H=3, N=5, n=64, d=128, h=512, dv=128, dtype=dtype)
     ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
-    got = _states_and_grads("pallas", args, activation="gelu", residual=residual)
+    run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(dots="exact", backward=backward))
+    got = _states_and_grads("pallas", args, activation="gelu", residual=residual, run=run)
     want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual)
     tol = TOL if dtype == jnp.float32 else 2e-2
     assert tree_rel(got[0], want[0]) <= tol, tree_rel(got[0], want[0])

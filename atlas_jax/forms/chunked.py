@@ -359,24 +359,28 @@ def deep_kernel_covers(spec) -> bool:
 
 
 def deep_kernel_route(spec, state: MemoryState, steps: Steps, *, impl: str, chunk_size: int,
-                      features=None) -> bool:
+                      features=None, low_precision: bool = False) -> bool:
     """Whether a MemorySpec call ([B, H, S, ...] steps, padded) runs the dual form on the
     deep-memory kernel: impl "pallas" whenever the kernel takes the call (else NotImplementedError
-    saying why). "auto" keeps the XLA dual form: on an H100 (titans, B4 T4096 H8 D128, bf16, one
-    command) the kernel route ran forward+backward in 42.1 against 47.4 ms but forward in 13.9
-    against 10.8 ms at twice the peak memory (6.5 against 3.1 GiB: the split form keeps every
-    chunk's read intermediates), benchmarks/results/deep_memory_h100_2026-11-25b.md."""
+    saying why); "auto" for bf16 inputs on a GPU where the kernel takes the call. On an H200
+    (titans, B4 T4096 H8 D128, bf16, one command; benchmarks/results/titans_persistent_h200_2026-11-26.md)
+    the kernel route ran forward+backward in 30.2 ms against 34.0 for the XLA dual form, forward
+    in 6.9 against 8.4, at 6.5 against 3.6 GiB peak (the split form keeps every chunk's read
+    intermediates); B1 T16384 42.1 against 62.3 ms. float32 inputs stay on XLA: the kernel's
+    float32 forward is level with XLA's with TF32 products and slower with exact ones."""
     from atlas_jax.forms import dual
 
-    if impl != "pallas" or not deep_kernel_covers(spec) or _FORM == "materialising":
+    if impl not in ("pallas", "auto") or not deep_kernel_covers(spec) or _FORM == "materialising":
+        return False
+    if impl == "auto" and not (low_precision and jax.default_backend() == "gpu"):
         return False
     one = jax.tree.map(lambda x: x[0, 0], (state, steps))
     d_in = None if features is None else features.output_dim(steps.inputs.shape[-1])
     gap = dual.kernel_gap(spec, *one, chunk_size=chunk_size, d_in=d_in)
-    if gap is not None:
+    if gap is not None and impl == "pallas":
         raise NotImplementedError(f"MemorySpec: impl='pallas': the deep-memory kernel does not take "
                                   f"{gap}; use impl='chunk' or 'auto'")
-    return True
+    return gap is None
 
 
 def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None):

@@ -1,50 +1,68 @@
-"""A depth-2 MLP memory's sequential chunk pass as a Pallas GPU kernel (Triton lowering).
+"""A depth-2 MLP memory's sequential chunk pass, forward and backward, as persistent Pallas GPU
+kernels (Triton lowering) with a grid barrier per chunk.
 
-The math is `atlas_jax.ops.deep_memory.state_pass` (its module docstring): per chunk a forward
-pass of the chunk's gradient sources at the start state, the ℓ2 residual, the first layer's
-cotangents and the chunk-end update of W0, W1 (and the momentum m0, m1). One program per
-(batch·head) walks the N chunks in a `fori_loop`; the hidden width h is tiled (``block_hidden``
-columns of W0 / rows of W1 at a time), in two sweeps per chunk: the first sums Y = σ(a W0) W1 over
-the tiles, the second, with E = Y − targets known, forms each tile's cotangents and writes its
-updated weights. The states live in the outputs: every chunk's start state [N] per program (slot 0
-the initial state; chunk n reads slot n and writes slot n + 1, the last chunk the final-state
-output instead, a CTA barrier between chunks), which the backward pass and the dual form's
-chunk-parallel reads need anyway; a state [d, h] does not fit a program's registers or shared
-memory at the sizes users train (titans: 2 × 128 × 512 float32 weights plus the momentum, 1 MiB
-per head). Start states and final state are separate outputs: one [N + 1] buffer sliced afterwards
-copied it whole (2 GB at titans sizes).
+The math is `atlas_jax.ops.deep_memory.state_pass` (its module docstring). The hidden width h is
+split into tiles of ``block_hidden`` units; a program (tile j, sequence·head bh) owns tile j of W0's
+columns, W1's rows and the momentum's, for all N chunks of its head. Per chunk, forward:
 
-Performance: only B·H programs run, each walking N chunks of two sweeps over h / block_hidden
-tiles, so the pass is latency-bound; the sweeps are `fori_loop`s over the tile index (not unrolled
-Python loops) so Triton's software pipeliner (``num_stages``) prefetches the next tile's float32
-state loads while the current tile's dots run. Measured on an H100 (titans sizes: B4 H8, 64 chunks
-of 64, d 128, h 512, momentum, bf16 sources): forward 9.7 ms against 9.85 for the XLA scan (19.7
-with unrolled tile loops and the [N + 1] buffer sliced afterwards; block_hidden 128 asks 256 KiB of
-shared memory, over the H100's 227 KiB).
+    Z_j = a W0_j,  H_j = σ(Z_j),  share_j = H_j W1_j            [grid barrier of the head's tiles]
+    Y = Σ_j share_j (+ a),  E = Y − targets,  D_j = (E W1_jᵀ) ⊙ σ'(Z_j)
+    W0_j' = P W0_j + s m0_j + aᵀ (r ⊙ D_j),   W1_j' = P W1_j + s m1_j + H_jᵀ (r ⊙ E)
+    m0_j' = μ m0_j + aᵀ (ρ ⊙ D_j),            m1_j' = μ m1_j + H_jᵀ (ρ ⊙ E)
 
-Backward: `jax.custom_vjp` (`support.state_pass_vjp`, shared with the TPU kernel); the reverse
-pass over chunks runs in XLA from the kept start states (`mlp_chunk_step`'s VJP, chunk by chunk in
-reverse), so the kernel is the forward pass only. Padding (to powers of two) and its exactness:
-`support.py`.
+Every chunk's start state and Y are kept (outputs: the dual form's reads and the backward need
+them). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j
+(momentum) of tile j, and G_j = E W1_jᵀ:
 
-Precision: bf16 sources (``a`` in bf16) take bf16 tensor-core dots with float32 accumulation;
-float32 sources take the delta family's float32-accurate dots (six bf16 dots of split operands,
-`gpu_math.mm`). States, coefficients and every accumulation are float32. GELU is the exact (erf)
-one, with erf from Abramowitz–Stegun 7.1.26 (`support.erf_as`, absolute error below 1.5e-7: the
-Triton lowering has no erf).
+    A_j = r ⊙ (a X0_j) + ρ ⊙ (a M0_j)           (D_j's cotangent),  Q_j = A_j ⊙ σ'(Z_j)
+    Ê_share_j = r ⊙ (H_j X1_j) + ρ ⊙ (H_j M1_j) + Q_j W1_j                  [grid barrier]
+    Ê = Σ_j Ê_share_j,   Ĥ_j = (r ⊙ E) X1_jᵀ + (ρ ⊙ E) M1_jᵀ + Ê W1_jᵀ
+    Ẑ_j = Ĥ_j ⊙ σ'(Z_j) + A_j ⊙ G_j ⊙ σ''(Z_j)
+    start-state cotangents: X0_j ← P X0_j + aᵀ Ẑ_j,  X1_j ← P X1_j + Q_jᵀ E + H_jᵀ Ê,
+                            M0_j ← s X0_j + μ M0_j,  M1_j ← s X1_j + μ M1_j   (+ the starts' own)
+    â = Σ_j [(r ⊙ D_j) X0_jᵀ + (ρ ⊙ D_j) M0_jᵀ + Ẑ_j W0_jᵀ] (+ Ê),  targets' = −Ê,
+    r̂ = Σ_j rowsum(D_j ⊙ a X0_j) + rowsum(E ⊙ H_j X1_j) (ρ̂ alike with M), P̂ = Σ_j <X_j, θ_j>,
+    ŝ = Σ_j <X_j, m_j>, μ̂ = Σ_j <M_j, m_j>.
 
-Verification: interpret mode on CPU against the XLA reference (tests/test_deep_memory_kernel.py);
-the `gpu`-marked tests compile it. On an H100 (2026-11-25, after the tile loops became
-`fori_loop`s): float32 without momentum (residual MLP, d = dv = h = 128) and bf16 with momentum
-(h 512) equal the XLA pass, states and all gradients (1e-5 and 2e-2 bars). float32 with momentum
-does not fit shared memory (270 KiB asked at block_hidden 32 and one stage, 227 available): the
-call raises NotImplementedError naming the fix (bf16 sources, or impl='chunk'); the default
-block sizes for float32 are block_hidden 32 and one stage (64 and two asked 352 KiB).
+The sums over tiles that feed back into the chunk recursion (Y forward, Ê backward) go through a
+double-buffered [2, tiles] slot per head and a grid barrier (an atomic counter per head, spun on
+with atomic reads); those that do not (â, r̂, ρ̂ and the scalars) are written per tile and summed
+in XLA. A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the
+barrier needs only a head's tiles resident at once, not the whole grid. A spin that reaches its cap
+(a deadlock) poisons that head's results with NaN rather than returning wrong numbers.
+
+Why persistent: the chunk recursion is sequential and its per-chunk work is small (titans: five
+64 × 128 × 512 products per head), so a scan in XLA is bound by launches and by copying the carried
+state (1 MiB per head) every iteration, and one program per head walking its tiles (this file's
+kernel before) leaves most of the GPU idle. Here every tile stays with one program for the whole
+sequence.
+
+Measured on an H200 (2026-11-26, titans sizes: B4 H8, 64 chunks of 64, d 128, h 512, momentum,
+GELU, every start state kept; benchmarks/results/titans_persistent_h200_2026-11-26.md): bf16
+sources forward 4.09 ms against 7.89 for the XLA scan and 9.83 for the walking kernel; forward +
+backward with the backward kernel 23.5 ms against XLA's 24.7 — the backward kernel (~300 µs a
+chunk against the forward's ~64) is not faster than XLA's reverse pass yet, so ``backward="xla"``
+is the default: titans' whole memory layer (bf16, B4 T4096 H8 D128) forward+backward 30.1 ms with
+it against 32.9 with the backward kernel (one command), and 30.2 against 34.0 for the XLA dual form
+in a later command. float32 sources with TF32 dots: forward 7.90 ms, level with XLA
+(with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
+inputs only.
+
+Interpret mode runs programs one after another, so a barrier between programs can never be met
+there: in interpret mode the kernel runs with one tile per head (block_hidden = h), the same
+code with the barrier trivially met; the cross-tile sums are checked on a GPU.
+
+Precision: bf16 sources take bf16 tensor-core dots (float32 accumulation), every operand of the
+backward's dots bf16 too; float32 sources take six bf16 dots of split operands per product
+(``dots="exact"``, the default: float32-accurate, the delta family's scheme) or one TF32 dot
+(``dots="tf32"``, what XLA does for a float32 matmul on these GPUs at JAX's default precision). States, coefficients, cotangents and every
+accumulation are float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,215 +71,400 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from atlas_jax.kernels.deep_memory import support
-from atlas_jax.kernels.deep_memory.support import F32, act_and_grad, is_int
+from atlas_jax.kernels.deep_memory.support import F32, BF16, act_grad2, is_int
 from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt, mm_tn
 from atlas_jax.ops.deep_memory.state_pass import MLPStates
 
 __all__ = ["MLPGpuBlockSizes", "mlp_state_pass_gpu"]
 
 _FN = "mlp_state_pass_gpu"
-
-
-def _next_pow2(n, least=16):
-    return max(least, 1 << (int(n) - 1).bit_length())
+DOTS = ("tf32", "exact")
+BACKWARDS = ("kernel", "xla")
+# Spins of a grid barrier before it gives up (a deadlock; each spin is one atomic read).
+SPIN_CAP = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
 class MLPGpuBlockSizes:
-    """block_hidden: hidden columns per tile (a power of two >= 16 dividing h padded to a power
-    of two; None: min(h, 64)). num_warps: warps per program. num_stages: Triton's software
-    pipelining depth for the loops over hidden tiles (a positive int; 1: no prefetch; None: 2 for
-    bf16 inputs, 1 for float32, whose two stages of 64-wide tiles ask 352 KiB of shared memory
-    where an H100 has 227)."""
+    """block_hidden / block_hidden_bwd: hidden units per program of the forward / backward kernel
+    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 64), the backward's
+    the forward's); in interpret mode both must be h (one tile per head, module docstring).
+    num_warps_fwd / num_warps_bwd: warps per program. dots: the float32 sources' products, "exact"
+    (default) or "tf32" (bf16 sources always take bf16 dots). backward: "xla" (the reverse pass in XLA
+    from the kept start states, `support.state_pass_vjp`; the default, faster today) or "kernel"
+    (the persistent backward kernel)."""
     block_hidden: int | None = None
-    num_warps: int = 8
-    num_stages: int | None = None
+    block_hidden_bwd: int | None = None
+    num_warps_fwd: int = 8
+    num_warps_bwd: int = 4
+    dots: str = "exact"
+    backward: str = "xla"
 
-    def resolve(self, h, low: bool):
-        return dataclasses.replace(
-            self, block_hidden=min(h, 64 if low else 32) if self.block_hidden is None else self.block_hidden,
-            num_stages=(2 if low else 1) if self.num_stages is None else self.num_stages)
+    def resolve(self, h, interpret):
+        fwd = (h if interpret else min(h, 64)) if self.block_hidden is None else self.block_hidden
+        bwd = fwd if self.block_hidden_bwd is None else self.block_hidden_bwd
+        return dataclasses.replace(self, block_hidden=fwd, block_hidden_bwd=bwd)
 
-    def check(self, h):
-        b = self.block_hidden
-        if not is_int(b) or b < 16 or b & (b - 1) or h % b:
-            raise ValueError(f"{_FN}: argument `block_sizes.block_hidden` must be a power of two >= 16 "
-                             f"dividing the hidden width {h} (padded to a power of two); got {b!r}.")
-        w = self.num_warps
-        if not is_int(w) or w < 1 or w > 32 or w & (w - 1):
-            raise ValueError(f"{_FN}: argument `block_sizes.num_warps` must be a power of two from 1 "
-                             f"to 32; got {w!r}.")
-        st = self.num_stages
-        if not is_int(st) or st < 1:
-            raise ValueError(f"{_FN}: argument `block_sizes.num_stages` must be a positive int; "
-                             f"got {st!r}.")
+    def check(self, h, interpret):
+        for name in ("block_hidden", "block_hidden_bwd"):
+            b = getattr(self, name)
+            if not is_int(b) or b < 16 or b & (b - 1) or h % b:
+                raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two >= 16 dividing "
+                                 f"the hidden width {h} (padded to a power of two); got {b!r}.")
+            if interpret and b != h:
+                raise ValueError(f"{_FN}: in interpret mode `block_sizes.{name}` must be the whole hidden "
+                                 f"width {h} (programs run one after another there, so tiles of one head could "
+                                 f"never meet at a barrier); got {b}.")
+        for name in ("num_warps_fwd", "num_warps_bwd"):
+            w = getattr(self, name)
+            if not is_int(w) or w < 1 or w > 32 or w & (w - 1):
+                raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from 1 to 32; "
+                                 f"got {w!r}.")
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"{_FN}: argument `block_sizes.backward` must be one of {BACKWARDS}; got "
+                             f"{self.backward!r}.")
+        if self.dots not in DOTS:
+            raise ValueError(f"{_FN}: argument `block_sizes.dots` must be one of {DOTS}; got {self.dots!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Cfg(support.PassCfg):
     hidden: int
-    block_hidden: int
-    num_warps: int
-    num_stages: int
+    block_hidden: int        # this kernel's (forward or backward)
+    num_warps_fwd: int
+    num_warps_bwd: int
+    dots: str
+    block_hidden_bwd: int
+
+    @property
+    def tiles(self):
+        return self.hidden // self.block_hidden
+
+
+def _dots(cfg):
+    """(mm, mm_nt, mm_tn, operand) for this call's precision."""
+    if cfg.low:
+        low, exact = True, False
+    elif cfg.dots == "tf32":
+        low, exact = True, 1
+    else:
+        low, exact = False, False
+    operand = (lambda x: x.astype(BF16)) if cfg.low else (lambda x: x)
+    return (functools.partial(mm, low=low, exact=exact), functools.partial(mm_nt, low=low, exact=exact),
+            functools.partial(mm_tn, low=low, exact=exact), operand)
+
+
+def _scalar(ref, bh, i):
+    """Element [bh, i] of a per-chunk [BH, N] ref as a [1, 1] value."""
+    return load_f32(ref, (bh, pl.ds(i, 1)))[None, :]
+
+
+def _cta_barrier(cfg):
+    if not cfg.interpret:   # interpret mode runs a program's statements in order
+        plgpu.debug_barrier()
+
+
+def _grid_barrier(cfg, cnt, bh, target):
+    """Wait until the head's counter reaches ``target`` after adding this program's arrival;
+    returns whether the spin gave up (a deadlock). On a GPU the atomics are scalar ones (one per
+    program, and every thread sees the value read); interpret mode's discharge rule takes only
+    one-element slices."""
+    _cta_barrier(cfg)   # every thread's writes of this program before its arrival
+    if cfg.interpret:
+        add = lambda v: jnp.max(plgpu.atomic_add(cnt, (pl.ds(bh, 1),), jnp.full((1,), v, jnp.int32)))
+    else:
+        add = lambda v: plgpu.atomic_add(cnt, (bh,), v)
+    add(1)
+
+    def cond(s):
+        return jnp.logical_and(s[0] < target, s[1] < SPIN_CAP)
+
+    def body(s):
+        return add(0), s[1] + 1
+
+    _, spins = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0)))
+    return spins >= SPIN_CAP
+
+
+def _tile_sum(ref, bh, slot, tiles, shape):
+    """Σ over the head's tiles of their shares in ``slot`` (volatile loads: other programs wrote
+    them)."""
+    return lax.fori_loop(0, tiles, lambda q, acc: acc + plgpu.load(ref.at[bh, slot, q], volatile=True),
+                         jnp.zeros(shape, F32))
+
+
+def _names(cfg):
+    return ("w0", "w1", "m0", "m1") if cfg.momentum else ("w0", "w1")
+
+
+def _tile_index(name, cols):
+    """A tile of a state: columns of W0 / m0, rows of W1 / m1."""
+    return (slice(None), cols) if name in ("w0", "m0") else (cols, slice(None))
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernel
+# Forward
 
 
-def _scalar(ref, i):
-    """Element i of a per-chunk [N] ref as a [1, 1] value (Triton tiles are at least 1-D)."""
-    return load_f32(ref, pl.ds(i, 1))[None, :]
+def _fwd_kernel(r, cfg: _Cfg):
+    j, bh = pl.program_id(0), pl.program_id(1)
+    bt, N, tiles = cfg.block_hidden, cfg.n_chunks, cfg.tiles
+    mm_, mm_nt_, mm_tn_, operand = _dots(cfg)
+    cols = pl.ds(pl.multiple_of(j * bt, bt), bt)
+    names = _names(cfg)
+    all_ = slice(None)
 
+    for name in names:   # slot 0 of the start states: the initial state
+        r["s_" + name][(bh, 0) + _tile_index(name, cols)] = load_f32(r[name], (bh,) + _tile_index(name, cols))
 
-def _kernel(r, cfg: _Cfg):
-    """r: the refs by name: operands (a, t, rows, decay, w0, w1; with momentum mrows, carry,
-    mcarry, m0, m1), start-state outputs s_* [N, ...] and final-state outputs f_* [...]."""
-    low, bt, N = cfg.low, cfg.block_hidden, cfg.n_chunks
-    names = ("w0", "w1", "m0", "m1") if cfg.momentum else ("w0", "w1")
+    def chunk(i, stuck):
+        a = r["a"][bh, i, :, :]
+        a = a if cfg.low else a.astype(F32)
+        start = {name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols)) for name in names}
+        z = mm_(a, start["w0"])
+        hidden, slope = act_grad2(cfg.activation, z)[:2]
+        slot = lax.rem(i, 2)
+        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start["w1"])
+        stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (i + 1)))
+        y = _tile_sum(r["share"], bh, slot, tiles, r["share"].shape[-2:])
+        if cfg.residual:
+            y = y + a.astype(F32)
+        y = jnp.where(stuck, jnp.nan, y)
 
-    def barrier():
-        if not cfg.interpret:   # interpret mode runs a program's statements in order
-            plgpu.debug_barrier()
+        @pl.when(j == 0)
+        def _():
+            r["y"][bh, i, :, :] = y
 
-    def tile(j):                # hidden columns of tile j (rows of W1 / m1)
-        return pl.ds(pl.multiple_of(j * bt, bt), bt)
-
-    def idx(name, cols):        # a tile of a state: columns of W0 / m0, rows of W1 / m1
-        return (slice(None), cols) if name in ("w0", "m0") else (cols, slice(None))
-
-    # Slot 0 of the start states is the initial state.
-    def copy_initial(j, carry):
-        cols = tile(j)
-        for name in names:
-            r["s_" + name][(0,) + idx(name, cols)] = load_f32(r[name], idx(name, cols))
-        return carry
-
-    lax.fori_loop(0, cfg.hidden // bt, copy_initial, 0)
-    barrier()
-
-    def operand(x):
-        return x if low else x.astype(F32)
-
-    def chunk(i, carry):
-        a = operand(r["a"][i, :, :])                         # [n, d]
-        targets = load_f32(r["t"], (i, slice(None), slice(None)))
-        rows = load_f32(r["rows"], (i, slice(None)))[:, None]  # [n, 1]
-        decay = _scalar(r["decay"], i)
-
-        def load(name, cols):                                # chunk i's start state, one tile
-            return load_f32(r["s_" + name], (i,) + idx(name, cols))
-
-        def store(name, cols, value):                        # chunk i's end state, one tile
-            @pl.when(i + 1 < N)
-            def _():
-                r["s_" + name][(i + 1,) + idx(name, cols)] = value
-
-            @pl.when(i + 1 == N)
-            def _():
-                r["f_" + name][idx(name, cols)] = value
-
-        def forward_tile(j, y):                              # Y = σ(a W0) W1, tile by tile
-            cols = tile(j)
-            hidden, _ = act_and_grad(cfg.activation, mm(a, load("w0", cols), low))
-            return y + mm(hidden, load("w1", cols), low)
-
-        y0 = a.astype(F32) if cfg.residual else jnp.zeros(targets.shape, F32)
-        y = lax.fori_loop(0, cfg.hidden // bt, forward_tile, y0)
-        e = y - targets
-        row_e = rows * e
+        e = y - load_f32(r["t"], (bh, i, all_, all_))
+        rows = load_f32(r["rows"], (bh, i, all_))[:, None]
+        decay = _scalar(r["decay"], bh, i)
+        d0 = mm_nt_(e, start["w1"]) * slope
+        new = {"w0": decay * start["w0"] + mm_tn_(a, operand(rows * d0)),
+               "w1": decay * start["w1"] + mm_tn_(operand(hidden), operand(rows * e))}
         if cfg.momentum:
-            mrows = load_f32(r["mrows"], (i, slice(None)))[:, None]
-            mrow_e = mrows * e
-            carry_end, momentum_carry = _scalar(r["carry"], i), _scalar(r["mcarry"], i)
+            mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
+            carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
+            new["w0"] = new["w0"] + carry * start["m0"]
+            new["w1"] = new["w1"] + carry * start["m1"]
+            new["m0"] = mcarry * start["m0"] + mm_tn_(a, operand(mrows * d0))
+            new["m1"] = mcarry * start["m1"] + mm_tn_(operand(hidden), operand(mrows * e))
 
-        def update_tile(j, unused):                          # cotangents and the chunk-end update
-            cols = tile(j)
-            w0, w1 = load("w0", cols), load("w1", cols)
-            hidden, slope = act_and_grad(cfg.activation, mm(a, w0, low))
-            d0 = mm_nt(e, w1, low) * slope                   # [n, bt]
-            new_w0 = decay * w0 + mm_tn(a, operand(rows * d0), low)
-            new_w1 = decay * w1 + mm_tn(operand(hidden), operand(row_e), low)
-            if cfg.momentum:
-                m0, m1 = load("m0", cols), load("m1", cols)
-                new_w0 = new_w0 + carry_end * m0
-                new_w1 = new_w1 + carry_end * m1
-                store("m0", cols, momentum_carry * m0 + mm_tn(a, operand(mrows * d0), low))
-                store("m1", cols, momentum_carry * m1 + mm_tn(operand(hidden), operand(mrow_e), low))
-            store("w0", cols, new_w0)
-            store("w1", cols, new_w1)
-            return unused
+        @pl.when(i + 1 < N)
+        def _():
+            for name in names:
+                r["s_" + name][(bh, i + 1) + _tile_index(name, cols)] = new[name]
 
-        lax.fori_loop(0, cfg.hidden // bt, update_tile, 0)
-        barrier()
-        return carry
+        @pl.when(i + 1 == N)
+        def _():
+            for name in names:
+                r["f_" + name][(bh,) + _tile_index(name, cols)] = new[name]
 
-    lax.fori_loop(0, N, chunk, 0)
+        _cta_barrier(cfg)   # this chunk's end state is stored before the next chunk loads it
+        return stuck
+
+    lax.fori_loop(0, N, chunk, jnp.bool_(False))
 
 
 def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarry):
-    """Operands on the kernel layout ([BH, N, ...], states [BH, ...], padded); returns the start
-    states [BH, N, ...] and the final state [BH, ...] (separate outputs of the kernel)."""
+    """Kernel layout in ([BH, N, ...] operands, [BH, ...] states, padded); returns (starts, final, y)."""
     BH, N, n, d = a.shape
     h, dv = state.w0.shape[-1], state.w1.shape[-1]
-    seq = lambda *rest: pl.BlockSpec((None, N) + rest, lambda b: (b,) + (0,) * (len(rest) + 1))
-    whole = lambda *rest: pl.BlockSpec((None,) + rest, lambda b: (b,) + (0,) * len(rest))
-    ins = [("a", a, seq(n, d)), ("t", t, seq(n, dv)), ("rows", rows, seq(n)), ("decay", decay, seq()),
-           ("w0", state.w0, whole(d, h)), ("w1", state.w1, whole(h, dv))]
-    shapes = [("w0", (d, h)), ("w1", (h, dv))]
+    ins = {"a": a, "t": t, "rows": rows, "decay": decay, "w0": state.w0, "w1": state.w1}
+    shapes = {"w0": (d, h), "w1": (h, dv)}
     if cfg.momentum:
-        ins += [("mrows", mrows, seq(n)), ("carry", carry, seq()), ("mcarry", mcarry, seq()),
-                ("m0", state.m0, whole(d, h)), ("m1", state.m1, whole(h, dv))]
-        shapes += [("m0", (d, h)), ("m1", (h, dv))]
-    outs = ([("s_" + name, seq(*shape), (BH, N) + shape) for name, shape in shapes]
-            + [("f_" + name, whole(*shape), (BH,) + shape) for name, shape in shapes])
-    names = [x[0] for x in ins] + [x[0] for x in outs]
+        ins.update(mrows=mrows, carry=carry, mcarry=mcarry, m0=state.m0, m1=state.m1)
+        shapes.update(m0=(d, h), m1=(h, dv))
+    sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
+    outs = {**{"s_" + k: sds(BH, N, *s) for k, s in shapes.items()},
+            **{"f_" + k: sds(BH, *s) for k, s in shapes.items()},
+            "y": sds(BH, N, n, dv), "share": sds(BH, 2, cfg.tiles, n, dv),
+            "count": jax.ShapeDtypeStruct((BH,), jnp.int32)}
+    in_names, out_names = list(ins) + ["count_in"], list(outs)
 
     def kernel(*refs):
-        _kernel(dict(zip(names, refs)), cfg)
+        named = dict(zip(in_names + out_names, refs))
+        _fwd_kernel(named, cfg)
 
     res = pl.pallas_call(
-        kernel, grid=(BH,),
-        in_specs=[x[2] for x in ins], out_specs=[x[1] for x in outs],
-        out_shape=[jax.ShapeDtypeStruct(x[2], F32) for x in outs],
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=cfg.interpret, name="mlp_state_pass",
-    )(*[x[1] for x in ins])
-    k = len(shapes)
-    return MLPStates(*res[:k]), MLPStates(*res[k:])
+        kernel, grid=(cfg.tiles, BH), out_shape=list(outs.values()),
+        input_output_aliases={len(ins): out_names.index("count")},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps_fwd, num_stages=1),
+        interpret=cfg.interpret, name="mlp_state_pass_gpu_fwd",
+    )(*ins.values(), jnp.zeros((BH,), jnp.int32))
+    res = dict(zip(out_names, res))
+    pick = lambda prefix: MLPStates(*(res.get(prefix + k) for k in ("w0", "w1", "m0", "m1")))
+    return pick("s_"), pick("f_"), res["y"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry: padding, layout, custom VJP (support.py)
+# Backward
 
 
-_run = support.jitted_pass(_forward)
+def _bwd_kernel(r, cfg: _Cfg):
+    j, bh = pl.program_id(0), pl.program_id(1)
+    bt, N, tiles = cfg.block_hidden, cfg.n_chunks, cfg.tiles
+    mm_, mm_nt_, mm_tn_, operand = _dots(cfg)
+    cols = pl.ds(pl.multiple_of(j * bt, bt), bt)
+    names = _names(cfg)
+    all_ = slice(None)
+    one_j = pl.ds(j, 1)
+
+    # The carried cotangent (of chunk i's end state) lives in the d_first outputs' tiles.
+    for name in names:
+        r["g_" + name][(bh,) + _tile_index(name, cols)] = load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
+    _cta_barrier(cfg)
+
+    def chunk(k, stuck):
+        i = N - 1 - k
+        a = r["a"][bh, i, :, :]
+        a = a if cfg.low else a.astype(F32)
+        st = {name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols)) for name in names}
+        x = {name: load_f32(r["g_" + name], (bh,) + _tile_index(name, cols)) for name in names}
+        e = load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_))
+        rows = load_f32(r["rows"], (bh, i, all_))[:, None]
+        z = mm_(a, st["w0"])
+        hidden, slope, curve = act_grad2(cfg.activation, z)
+        g = mm_nt_(operand(e), st["w1"])                       # E W1ᵀ [n, bt]
+        d0 = g * slope
+        ax0 = mm_(a, operand(x["w0"]))
+        hx1 = mm_(operand(hidden), operand(x["w1"]))           # [n, dv]
+        big_a = rows * ax0
+        h_hat = mm_nt_(operand(rows * e), operand(x["w1"]))
+        e_share = rows * hx1
+        d_rows = jnp.sum(d0 * ax0, axis=1) + jnp.sum(e * hx1, axis=1)
+        if cfg.momentum:
+            mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
+            axm = mm_(a, operand(x["m0"]))
+            hxm = mm_(operand(hidden), operand(x["m1"]))
+            big_a = big_a + mrows * axm
+            h_hat = h_hat + mm_nt_(operand(mrows * e), operand(x["m1"]))
+            e_share = e_share + mrows * hxm
+            d_mrows = jnp.sum(d0 * axm, axis=1) + jnp.sum(e * hxm, axis=1)
+        q = big_a * slope
+        slot = lax.rem(k, 2)
+        r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st["w1"])
+        stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (k + 1)))
+        e_hat = _tile_sum(r["share"], bh, slot, tiles, r["share"].shape[-2:])
+        e_hat = jnp.where(stuck, jnp.nan, e_hat)
+        h_hat = h_hat + mm_nt_(operand(e_hat), st["w1"])
+        z_hat = h_hat * slope + big_a * g * curve
+
+        da = mm_nt_(operand(rows * d0), operand(x["w0"])) + mm_nt_(operand(z_hat), st["w0"])
+        if cfg.momentum:
+            da = da + mm_nt_(operand(mrows * d0), operand(x["m0"]))
+        if cfg.residual:
+            da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_hat   # tile 0 adds it
+        r["da"][bh, i, j, :, :] = da
+        r["drows"][bh, i, j, :] = d_rows
+        total = lambda u, v: jnp.sum(u * v, keepdims=True)      # [1, 1]
+        r["ddecay"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["w0"]) + total(x["w1"], st["w1"])
+
+        @pl.when(j == 0)
+        def _():
+            r["dt"][bh, i, :, :] = -e_hat
+
+        decay = _scalar(r["decay"], bh, i)
+        new = {"w0": decay * x["w0"] + mm_tn_(a, operand(z_hat)),
+               "w1": decay * x["w1"] + mm_tn_(operand(q), operand(e)) + mm_tn_(operand(hidden), operand(e_hat))}
+        if cfg.momentum:
+            r["dmrows"][bh, i, j, :] = d_mrows
+            r["dcarry"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["m0"]) + total(x["w1"], st["m1"])
+            r["dmcarry"][bh, pl.ds(i, 1), one_j] = total(x["m0"], st["m0"]) + total(x["m1"], st["m1"])
+            carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
+            new["m0"] = carry * x["w0"] + mcarry * x["m0"]
+            new["m1"] = carry * x["w1"] + mcarry * x["m1"]
+        for name in names:   # + the cotangent chunk i's start state receives directly
+            idx = (bh,) + _tile_index(name, cols)
+            r["g_" + name][idx] = new[name] + load_f32(r["ds_" + name], (bh, i) + _tile_index(name, cols))
+        _cta_barrier(cfg)
+        return stuck
+
+    lax.fori_loop(0, N, chunk, jnp.bool_(False))
 
 
-def default_interpret():
-    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, mcarry, d_starts, d_final):
+    cfg = dataclasses.replace(cfg, block_hidden=cfg.block_hidden_bwd)
+    BH, N, n, d = a.shape
+    h, dv = starts.w0.shape[-1], starts.w1.shape[-1]
+    tiles = cfg.tiles
+    keys = ("w0", "w1", "m0", "m1") if cfg.momentum else ("w0", "w1")
+    ins = {"a": a, "t": t, "rows": rows, "decay": decay, "y": y}
+    if cfg.momentum:
+        ins.update(mrows=mrows, carry=carry, mcarry=mcarry)
+    for i, key in enumerate(keys):
+        ins["s_" + key], ins["ds_" + key], ins["df_" + key] = starts[i], d_starts[i], d_final[i]
+    sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
+    shapes = {"w0": (d, h), "w1": (h, dv), "m0": (d, h), "m1": (h, dv)}
+    outs = {**{"g_" + k: sds(BH, *shapes[k]) for k in keys},
+            "da": sds(BH, N, tiles, n, d), "dt": sds(BH, N, n, dv), "drows": sds(BH, N, tiles, n),
+            "ddecay": sds(BH, N, tiles)}
+    if cfg.momentum:
+        outs.update(dmrows=sds(BH, N, tiles, n), dcarry=sds(BH, N, tiles), dmcarry=sds(BH, N, tiles))
+    outs.update(share=sds(BH, 2, tiles, n, dv), count=jax.ShapeDtypeStruct((BH,), jnp.int32))
+    in_names, out_names = list(ins) + ["count_in"], list(outs)
+
+    def kernel(*refs):
+        _bwd_kernel(dict(zip(in_names + out_names, refs)), cfg)
+
+    res = pl.pallas_call(
+        kernel, grid=(tiles, BH), out_shape=list(outs.values()),
+        input_output_aliases={len(ins): out_names.index("count")},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=1),
+        interpret=cfg.interpret, name="mlp_state_pass_gpu_bwd",
+    )(*ins.values(), jnp.zeros((BH,), jnp.int32))
+    res = dict(zip(out_names, res))
+    d_first = MLPStates(*(res.get("g_" + k) for k in ("w0", "w1", "m0", "m1")))
+    over_tiles = lambda key: None if key not in res else jnp.sum(res[key], axis=2)
+    return (d_first, over_tiles("da").astype(a.dtype), res["dt"], over_tiles("drows"), over_tiles("dmrows"),
+            over_tiles("ddecay"), over_tiles("dcarry"), over_tiles("dmcarry"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
+    starts, final, _ = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
+    return starts, final
+
+
+def _core_fwd(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
+    starts, final, y = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
+    return (starts, final), (starts, y, a, t, rows, mrows, decay, carry, mcarry)
+
+
+def _core_bwd(cfg, res, cts):
+    starts, y, a, t, rows, mrows, decay, carry, mcarry = res
+    d_starts, d_final = cts
+    return _backward(cfg, starts, y, a, t, rows, mrows, decay, carry, mcarry, d_starts, d_final)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "padded"))
+def _run(*args, cfg, padded):
+    return support.run_padded(_core, cfg, padded, *args)
+
+
+# The persistent forward with the XLA reverse pass (`support.state_pass_vjp`) as its backward.
+_run_xla_backward = support.jitted_pass(lambda cfg, *xs: _forward(cfg, *xs)[:2])
 
 
 def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_end, carry_end,
-                       momentum_carry, *, activation: str, residual: bool, interpret=None,
-                       block_sizes=None):
-    """`atlas_jax.ops.deep_memory.mlp_state_pass` on the Pallas GPU kernel (arguments checked
+                              momentum_carry, *, activation: str, residual: bool, interpret=None,
+                              block_sizes=None):
+    """`atlas_jax.ops.deep_memory.mlp_state_pass` on the persistent kernels (arguments checked
     there). Returns (starts [B, H, N, ...], final [B, H, ...]) as MLPStates, float32."""
     bs = MLPGpuBlockSizes() if block_sizes is None else block_sizes
     if not isinstance(bs, MLPGpuBlockSizes):
         raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPGpuBlockSizes; got "
                         f"{type(bs).__name__}.")
-    hp = _next_pow2(state.w0.shape[-1])
-    bs = bs.resolve(hp, low=a.dtype == jnp.bfloat16)
-    bs.check(hp)
+    interpret = bool(jax.default_backend() not in ("gpu", "cuda", "rocm") if interpret is None else interpret)
+    hp = support.next_pow2(state.w0.shape[-1])
+    bs = bs.resolve(hp, interpret)
+    bs.check(hp, interpret)
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
-               block_hidden=bs.block_hidden, num_warps=bs.num_warps, num_stages=bs.num_stages,
-               interpret=bool(default_interpret() if interpret is None else interpret))
-    if cfg.momentum and not cfg.low and not cfg.interpret:
-        # H100, d = dv = h = 128: 270 KiB of shared memory asked (227 available) even at
-        # block_hidden 32 and one stage; the float32 momentum copies are not tiled
-        raise NotImplementedError(f"{_FN}: float32 sources with momentum do not fit a GPU's shared memory "
-                                  f"in this kernel; pass `a` (q, k, v) as bfloat16, or use impl='chunk'.")
-    padded = tuple(_next_pow2(x) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
-    return _run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
-                cfg=cfg, padded=padded)
+               block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
+               dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd)
+    padded = tuple(support.next_pow2(x) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
+    run = _run if bs.backward == "kernel" else _run_xla_backward
+    return run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
+               cfg=cfg, padded=padded)
