@@ -40,9 +40,10 @@ sequence.
 Measured on an H200 (2026-11-26, titans sizes: B4 H8, 64 chunks of 64, d 128, h 512, momentum,
 GELU, every start state kept; benchmarks/results/titans_persistent_h200_2026-11-26.md): bf16
 sources forward 4.09 ms against 7.89 for the XLA scan and 9.83 for the walking kernel; forward +
-backward with the backward kernel 23.5 ms against XLA's 24.7 — the backward kernel (~300 µs a
-chunk against the forward's ~64) is not faster than XLA's reverse pass yet, so ``backward="xla"``
-is the default: titans' whole memory layer (bf16, B4 T4096 H8 D128) forward+backward 30.1 ms with
+backward 20.8 ms with the backward kernel, 20.3 with the persistent forward and XLA's reverse
+pass (24.8 all in XLA) — the backward kernel (~260 µs a chunk against the forward's ~64; its
+per-tile sums for r̂, ρ̂ and the scalar cotangents alone cost ~2 + ~2 ms, measured by removing
+them) is not faster than XLA's reverse pass yet, so ``backward="xla"`` is the default: titans' whole memory layer (bf16, B4 T4096 H8 D128) forward+backward 30.1 ms with
 it against 32.9 with the backward kernel (one command), and 30.2 against 34.0 for the XLA dual form
 in a later command. float32 sources with TF32 dots: forward 7.90 ms, level with XLA
 (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
@@ -320,6 +321,14 @@ def _bwd_kernel(r, cfg: _Cfg):
         a = a if cfg.low else a.astype(F32)
         st = {name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols)) for name in names}
         x = {name: load_f32(r["g_" + name], (bh,) + _tile_index(name, cols)) for name in names}
+        # The decay's and momentum coefficients' cotangents first: <X, θ>, <X, m>, <M, m> of the start
+        # state's tiles (H200, titans sizes: 23.1 -> 20.8 ms fwd+bwd against the same sums last,
+        # which keep the start tiles live through the chunk's dots).
+        total = lambda u, v: jnp.sum(u * v, keepdims=True)      # [1, 1]
+        r["ddecay"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["w0"]) + total(x["w1"], st["w1"])
+        if cfg.momentum:
+            r["dcarry"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["m0"]) + total(x["w1"], st["m1"])
+            r["dmcarry"][bh, pl.ds(i, 1), one_j] = total(x["m0"], st["m0"]) + total(x["m1"], st["m1"])
         e = load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_))
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         z = mm_(a, st["w0"])
@@ -356,8 +365,6 @@ def _bwd_kernel(r, cfg: _Cfg):
             da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_hat   # tile 0 adds it
         r["da"][bh, i, j, :, :] = da
         r["drows"][bh, i, j, :] = d_rows
-        total = lambda u, v: jnp.sum(u * v, keepdims=True)      # [1, 1]
-        r["ddecay"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["w0"]) + total(x["w1"], st["w1"])
 
         @pl.when(j == 0)
         def _():
@@ -368,8 +375,6 @@ def _bwd_kernel(r, cfg: _Cfg):
                "w1": decay * x["w1"] + mm_tn_(operand(q), operand(e)) + mm_tn_(operand(hidden), operand(e_hat))}
         if cfg.momentum:
             r["dmrows"][bh, i, j, :] = d_mrows
-            r["dcarry"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["m0"]) + total(x["w1"], st["m1"])
-            r["dmcarry"][bh, pl.ds(i, 1), one_j] = total(x["m0"], st["m0"]) + total(x["m1"], st["m1"])
             carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
             new["m0"] = carry * x["w0"] + mcarry * x["m0"]
             new["m1"] = carry * x["w1"] + mcarry * x["m1"]
