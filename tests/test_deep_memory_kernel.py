@@ -193,6 +193,22 @@ def test_routing_and_errors():
         mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(block_hidden=16))
 
 
+def test_auto_takes_the_kernel_for_bf16_inputs_on_a_gpu(monkeypatch):
+    """impl="auto" routes a depth-2 MLP memory's dual form to the state-pass kernel only for bf16
+    inputs on a GPU (measured faster there; float32 stays on XLA), "pallas" always, "chunk" never."""
+    spec = presets.get("titans", hidden=16)
+    q, k, v, knobs, state = _spec_inputs(spec, 12, T=32)
+    bhs = lambda x: jnp.moveaxis(x, 2, 1)
+    steps = chunked.Steps(inputs=bhs(k), targets=bhs(v), queries=bhs(q), step_size=None, log_decay=None,
+                          momentum_decay=None, gates=None, delta=None, active=jnp.ones(bhs(k).shape[:3]),
+                          window_gates=None, restart=None)
+    route = lambda impl, low: chunked.deep_kernel_route(spec, state, steps, impl=impl, chunk_size=16,
+                                                        low_precision=low)
+    assert not route("auto", True) and route("pallas", False) and not route("chunk", True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert route("auto", True) and not route("auto", False)
+
+
 def _export(kernel, dtype, momentum, n=64, d=128, h=512, dv=128, block_sizes=None):
     """How many kernel calls the exported forward + backward holds (Triton for CUDA, Mosaic for TPU)."""
     export = pytest.importorskip("jax.export")
