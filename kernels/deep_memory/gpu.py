@@ -21,7 +21,7 @@ them). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j 
     start-state cotangents: X0_j ← P X0_j + aᵀ Ẑ_j,  X1_j ← P X1_j + Q_jᵀ E + H_jᵀ Ê,
                             M0_j ← s X0_j + μ M0_j,  M1_j ← s X1_j + μ M1_j   (+ the starts' own)
     â = Σ_j [(r ⊙ D_j) X0_jᵀ + (ρ ⊙ D_j) M0_jᵀ + Ẑ_j W0_jᵀ] (+ Ê),  targets' = −Ê,
-    r̂ = Σ_j rowsum(D_j ⊙ a X0_j) + rowsum(E ⊙ H_j X1_j) (ρ̂ alike with M), P̂ = Σ_j <X_j, θ_j>,
+    r̂ = Σ_j rowsum(D_j ⊙ a X0_j + H_j ⊙ E X1_jᵀ) (ρ̂ alike with M), P̂ = Σ_j <X_j, θ_j>,
     ŝ = Σ_j <X_j, m_j>, μ̂ = Σ_j <M_j, m_j>.
 
 The sums over tiles that feed back into the chunk recursion (Y forward, Ê backward) go through a
@@ -338,17 +338,21 @@ def _bwd_kernel(r, cfg: _Cfg):
         ax0 = mm_(a, operand(x["w0"]))
         hx1 = mm_(operand(hidden), operand(x["w1"]))           # [n, dv]
         big_a = rows * ax0
-        h_hat = mm_nt_(operand(rows * e), operand(x["w1"]))
+        # rowsum(E ⊙ H X1) = rowsum(H ⊙ E X1ᵀ): r̂'s two terms in one [n, bt] reduction, and
+        # E X1ᵀ is Ĥ's term anyway
+        ex1 = mm_nt_(operand(e), operand(x["w1"]))             # E X1ᵀ [n, bt]
+        h_hat = rows * ex1
         e_share = rows * hx1
-        d_rows = jnp.sum(d0 * ax0, axis=1) + jnp.sum(e * hx1, axis=1)
+        d_rows = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
         if cfg.momentum:
             mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
             axm = mm_(a, operand(x["m0"]))
             hxm = mm_(operand(hidden), operand(x["m1"]))
             big_a = big_a + mrows * axm
-            h_hat = h_hat + mm_nt_(operand(mrows * e), operand(x["m1"]))
+            em1 = mm_nt_(operand(e), operand(x["m1"]))
+            h_hat = h_hat + mrows * em1
             e_share = e_share + mrows * hxm
-            d_mrows = jnp.sum(d0 * axm, axis=1) + jnp.sum(e * hxm, axis=1)
+            d_mrows = jnp.sum(d0 * axm + hidden * em1, axis=1)
         q = big_a * slope
         slot = lax.rem(k, 2)
         r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st["w1"])
