@@ -72,8 +72,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from atlas_jax.kernels.deep_memory import support
-from atlas_jax.kernels.deep_memory.support import F32, BF16, act_grad2, is_int
+from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad, act_grad2, is_int
+from atlas_jax.kernels.delta_family.gpu import default_interpret
 from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt, mm_tn
+from atlas_jax.kernels.omega.support import next_pow2
 from atlas_jax.ops.deep_memory.state_pass import MLPStates
 
 __all__ = ["MLPGpuBlockSizes", "mlp_state_pass_gpu"]
@@ -203,17 +205,21 @@ def _tile_index(name, cols):
     return (slice(None), cols) if name in ("w0", "m0") else (cols, slice(None))
 
 
+def _program(cfg: _Cfg):
+    """What a program of either kernel starts from: its tile j, its sequence·head bh, the tile's
+    hidden units, the state names and the dots of this call's precision."""
+    j, bh = pl.program_id(0), pl.program_id(1)
+    bt = cfg.block_hidden
+    return j, bh, pl.ds(pl.multiple_of(j * bt, bt), bt), _names(cfg), _dots(cfg)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 
 
 def _fwd_kernel(r, cfg: _Cfg):
-    j, bh = pl.program_id(0), pl.program_id(1)
-    bt, N, tiles = cfg.block_hidden, cfg.n_chunks, cfg.tiles
-    mm_, mm_nt_, mm_tn_, operand = _dots(cfg)
-    cols = pl.ds(pl.multiple_of(j * bt, bt), bt)
-    names = _names(cfg)
-    all_ = slice(None)
+    j, bh, cols, names, (mm_, mm_nt_, mm_tn_, operand) = _program(cfg)
+    N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
 
     for name in names:   # slot 0 of the start states: the initial state
         r["s_" + name][(bh, 0) + _tile_index(name, cols)] = load_f32(r[name], (bh,) + _tile_index(name, cols))
@@ -223,7 +229,7 @@ def _fwd_kernel(r, cfg: _Cfg):
         a = a if cfg.low else a.astype(F32)
         start = {name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols)) for name in names}
         z = mm_(a, start["w0"])
-        hidden, slope = act_grad2(cfg.activation, z)[:2]
+        hidden, slope = act_and_grad(cfg.activation, z)
         slot = lax.rem(i, 2)
         r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start["w1"])
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (i + 1)))
@@ -302,12 +308,8 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
 
 
 def _bwd_kernel(r, cfg: _Cfg):
-    j, bh = pl.program_id(0), pl.program_id(1)
-    bt, N, tiles = cfg.block_hidden, cfg.n_chunks, cfg.tiles
-    mm_, mm_nt_, mm_tn_, operand = _dots(cfg)
-    cols = pl.ds(pl.multiple_of(j * bt, bt), bt)
-    names = _names(cfg)
-    all_ = slice(None)
+    j, bh, cols, names, (mm_, mm_nt_, mm_tn_, operand) = _program(cfg)
+    N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
     one_j = pl.ds(j, 1)
 
     # The carried cotangent (of chunk i's end state) lives in the d_first outputs' tiles.
@@ -466,14 +468,14 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
     if not isinstance(bs, MLPGpuBlockSizes):
         raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPGpuBlockSizes; got "
                         f"{type(bs).__name__}.")
-    interpret = bool(jax.default_backend() not in ("gpu", "cuda", "rocm") if interpret is None else interpret)
-    hp = support.next_pow2(state.w0.shape[-1])
+    interpret = bool(default_interpret() if interpret is None else interpret)
+    hp = next_pow2(state.w0.shape[-1], least=16)
     bs = bs.resolve(hp, interpret)
     bs.check(hp, interpret)
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
                dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd)
-    padded = tuple(support.next_pow2(x) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
+    padded = tuple(next_pow2(x, least=16) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     run = _run if bs.backward == "kernel" else _run_xla_backward
     return run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
                cfg=cfg, padded=padded)

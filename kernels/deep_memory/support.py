@@ -72,24 +72,9 @@ def erf_as(x):
     return jnp.where(x < 0, -y, y)
 
 
-def act_and_grad(name, z, erf=erf_as):
-    """(σ(z), σ'(z)) in float32; GELU is the exact (erf) one, with `erf` (lax.erf where the
-    lowering has it)."""
-    if name == "gelu":
-        cdf = 0.5 * (1.0 + erf(z * _SQRT_HALF))
-        pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * z * z)
-        return z * cdf, cdf + z * pdf
-    if name == "silu":
-        s = 1.0 / (1.0 + jnp.exp(-z))
-        return z * s, s * (1.0 + z * (1.0 - s))
-    if name == "tanh":
-        t = jnp.tanh(z)
-        return t, 1.0 - t * t
-    return z, jnp.ones_like(z)   # identity
-
-
 def act_grad2(name, z, erf=erf_as):
-    """(σ(z), σ'(z), σ''(z)) in float32 (the backward's curvature term), as `act_and_grad`."""
+    """(σ(z), σ'(z), σ''(z)) in float32 (σ'' is the backward's curvature term); GELU is the exact
+    (erf) one, with `erf` (lax.erf where the lowering has it)."""
     if name == "gelu":
         cdf = 0.5 * (1.0 + erf(z * _SQRT_HALF))
         pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * z * z)
@@ -103,8 +88,9 @@ def act_grad2(name, z, erf=erf_as):
     return z, jnp.ones_like(z), jnp.zeros_like(z)   # identity
 
 
-def next_pow2(n, least=16):
-    return max(least, 1 << (int(n) - 1).bit_length())
+def act_and_grad(name, z, erf=erf_as):
+    """(σ(z), σ'(z)): `act_grad2` less the curvature (which the compiler then drops)."""
+    return act_grad2(name, z, erf)[:2]
 
 
 # ---------------------------------------------------------------------------------------------
