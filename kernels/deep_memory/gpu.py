@@ -42,7 +42,7 @@ GELU, every start state kept; benchmarks/results/titans_persistent_h200_2026-11-
 sources forward 4.09 ms against 7.89 for the XLA scan and 9.83 for the walking kernel; forward +
 backward 20.8 ms with the backward kernel, 20.3 with the persistent forward and XLA's reverse
 pass (24.8 all in XLA) — the backward kernel (~260 µs a chunk against the forward's ~64; its
-per-tile sums for r̂, ρ̂ and the scalar cotangents alone cost ~2 + ~2 ms, measured by removing
+per-tile sums for r̂, ρ̂ and the scalar cotangents cost ~2.6 and ~2.0 ms, measured by removing
 them) is not faster than XLA's reverse pass yet, so ``backward="xla"`` is the default: titans' whole memory layer (bf16, B4 T4096 H8 D128) forward+backward 30.1 ms with
 it against 32.9 with the backward kernel (one command), and 30.2 against 34.0 for the XLA dual form
 in a later command. float32 sources with TF32 dots: forward 7.90 ms, level with XLA
