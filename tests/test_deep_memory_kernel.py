@@ -106,21 +106,32 @@ def test_kernel_one_chunk(N, kernel):
         assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
 
 
-@pytest.mark.parametrize("momentum,residual,activation,dtype", [
-    (True, False, "gelu", jnp.float32), (False, True, "silu", jnp.float32), (True, True, "tanh", jnp.float32),
-    (True, False, "gelu", jnp.bfloat16)])
-def test_gpu_backward_kernel_equals_reference(momentum, residual, activation, dtype):
-    """The GPU kernel's own backward pass (``backward="kernel"``; the default runs the reverse pass
-    in XLA) against the XLA reference's gradients, in interpret mode (one hidden tile per head)."""
+@pytest.mark.parametrize("backward,momentum,residual,activation,dtype", [
+    ("xla", True, False, "gelu", jnp.float32), ("xla", True, False, "gelu", jnp.bfloat16),
+    ("kernel", True, True, "tanh", jnp.float32), ("kernel", True, False, "gelu", jnp.bfloat16)])
+def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, activation, dtype):
+    """The GPU kernel's two backward passes (the kernel, the default, and the reverse pass in XLA from
+    the kept start states) against the XLA reference's gradients, in interpret mode (one hidden
+    tile per head); bf16 sources against the float32 reference."""
     args = _operands(11, momentum=momentum, N=4, dtype=dtype)
     ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
-    run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(backward="kernel"))
+    run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(backward=backward))
     want = _states_and_grads("chunk", ref_args, activation=activation, residual=residual)
     got = _states_and_grads("pallas", args, activation=activation, residual=residual, kernel="gpu", run=run)
     tol = TOL if dtype == jnp.float32 else 2e-2
     assert tree_rel(got[0], want[0]) <= tol
     for index, (g, g_r) in enumerate(zip(got[1], want[1])):
         assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
+
+
+def test_backward_warps_follow_the_grid(monkeypatch):
+    """num_warps_bwd None: 8 warps while the backward's programs (tiles × B·H) fit one per
+    multiprocessor, else 4; a given value is kept."""
+    import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
+    monkeypatch.setattr(gpu_kernels, "_multiprocessors", lambda: 132)
+    assert MLPGpuBlockSizes().resolve(512, False, 16).num_warps_bwd == 8      # 8 tiles × 16 = 128 programs
+    assert MLPGpuBlockSizes().resolve(512, False, 32).num_warps_bwd == 4      # 256 programs
+    assert MLPGpuBlockSizes(num_warps_bwd=2).resolve(512, False, 8).num_warps_bwd == 2
 
 
 def _window_spec():

@@ -38,15 +38,19 @@ kernel before) leaves most of the GPU idle. Here every tile stays with one progr
 sequence.
 
 Measured on an H200 (2026-11-26, titans sizes: B4 H8, 64 chunks of 64, d 128, h 512, momentum,
-GELU, every start state kept; benchmarks/results/titans_persistent_h200_2026-11-26.md): bf16
-sources forward 4.09 ms against 7.89 for the XLA scan and 9.83 for the walking kernel; forward +
-backward 20.8 ms with the backward kernel, 20.3 with the persistent forward and XLA's reverse
-pass (24.8 all in XLA) — the backward kernel (~260 µs a chunk against the forward's ~64; its
-per-tile sums for r̂, ρ̂ and the scalar cotangents cost ~2.6 and ~2.0 ms, measured by removing
-them) is not faster than XLA's reverse pass yet, so ``backward="xla"`` is the default: titans' whole memory layer (bf16, B4 T4096 H8 D128) forward+backward 30.1 ms with
-it against 32.9 with the backward kernel (one command), and 30.2 against 34.0 for the XLA dual form
-in a later command. float32 sources with TF32 dots: forward 7.90 ms, level with XLA
-(with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
+GELU, every start state kept, bf16 sources; benchmarks/results/titans_persistent_h200_2026-11-26.md,
+its later sections): forward 3.7 ms against ~4.9 for the XLA scan, forward + backward 18.2 ms with
+the backward kernel against 20.0 with the forward kernel and XLA's reverse pass (~24.6 all in XLA).
+Both kernels use all 255 registers a thread and still spill (ncu: ~1.3 GB of local-memory loads
+forward, ~15 GB backward) — why a tile is loaded where it is used rather than kept — so the
+backward (~225 µs a chunk against the forward's ~58) is bound by its spills, not by its dots or
+its barrier. At B1 H8 (64 programs, fewer than the GPU's multiprocessors) eight warps a backward
+program win (29.5 against 34.8 ms for 256 chunks; XLA's reverse pass 31.3); at B4 (256 programs)
+four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's registers, and then
+256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count. titans' memory
+layer (bf16, forward+backward, one command): B4 T4096 H8 D128 27.6 ms against 30.0 with XLA's
+reverse pass and 33.6 for the XLA dual form. float32 sources with TF32 dots: forward level with
+XLA (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
 inputs only.
 
 Interpret mode runs programs one after another, so a barrier between programs can never be met
@@ -92,21 +96,25 @@ class MLPGpuBlockSizes:
     """block_hidden / block_hidden_bwd: hidden units per program of the forward / backward kernel
     (powers of two >= 16 dividing h padded to a power of two; None: min(h, 64), the backward's
     the forward's); in interpret mode both must be h (one tile per head, module docstring).
-    num_warps_fwd / num_warps_bwd: warps per program. dots: the float32 sources' products, "exact"
-    (default) or "tf32" (bf16 sources always take bf16 dots). backward: "xla" (the reverse pass in XLA
-    from the kept start states, `support.state_pass_vjp`; the default, faster today) or "kernel"
-    (the persistent backward kernel)."""
+    num_warps_fwd / num_warps_bwd: warps per program (num_warps_bwd None: 8 when the backward's
+    programs fit one per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
+    (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
+    backward kernel; the default) or "xla" (the reverse pass in XLA from the kept start states,
+    `support.state_pass_vjp`)."""
     block_hidden: int | None = None
     block_hidden_bwd: int | None = None
     num_warps_fwd: int = 8
-    num_warps_bwd: int = 4
+    num_warps_bwd: int | None = None
     dots: str = "exact"
-    backward: str = "xla"
+    backward: str = "kernel"
 
-    def resolve(self, h, interpret):
+    def resolve(self, h, interpret, sequences_heads):
         fwd = (h if interpret else min(h, 64)) if self.block_hidden is None else self.block_hidden
         bwd = fwd if self.block_hidden_bwd is None else self.block_hidden_bwd
-        return dataclasses.replace(self, block_hidden=fwd, block_hidden_bwd=bwd)
+        warps = self.num_warps_bwd
+        if warps is None and is_int(bwd) and bwd > 0:
+            warps = 8 if (h // bwd) * sequences_heads <= _multiprocessors() else 4
+        return dataclasses.replace(self, block_hidden=fwd, block_hidden_bwd=bwd, num_warps_bwd=warps)
 
     def check(self, h, interpret):
         for name in ("block_hidden", "block_hidden_bwd"):
@@ -142,6 +150,11 @@ class _Cfg(support.PassCfg):
     @property
     def tiles(self):
         return self.hidden // self.block_hidden
+
+
+def _multiprocessors():
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or 132   # an H100's / H200's count where not reported
 
 
 def _dots(cfg):
@@ -225,13 +238,16 @@ def _fwd_kernel(r, cfg: _Cfg):
         r["s_" + name][(bh, 0) + _tile_index(name, cols)] = load_f32(r[name], (bh,) + _tile_index(name, cols))
 
     def chunk(i, stuck):
+        # A state tile is loaded where it is used and loaded again later rather than kept: four
+        # [d, 64] float32 tiles and their updates held through the chunk spilled (255 registers a
+        # thread, GBs of local-memory traffic by ncu), and the reloads hit L2.
+        start = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
         a = r["a"][bh, i, :, :]
         a = a if cfg.low else a.astype(F32)
-        start = {name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols)) for name in names}
-        z = mm_(a, start["w0"])
+        z = mm_(a, start("w0"))
         hidden, slope = act_and_grad(cfg.activation, z)
         slot = lax.rem(i, 2)
-        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start["w1"])
+        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start("w1"))
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (i + 1)))
         y = _tile_sum(r["share"], bh, slot, tiles, r["share"].shape[-2:])
         if cfg.residual:
@@ -245,26 +261,28 @@ def _fwd_kernel(r, cfg: _Cfg):
         e = y - load_f32(r["t"], (bh, i, all_, all_))
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         decay = _scalar(r["decay"], bh, i)
-        d0 = mm_nt_(e, start["w1"]) * slope
-        new = {"w0": decay * start["w0"] + mm_tn_(a, operand(rows * d0)),
-               "w1": decay * start["w1"] + mm_tn_(operand(hidden), operand(rows * e))}
+        d0 = mm_nt_(e, start("w1")) * slope
+
+        def put(name, value):   # chunk i + 1's start, or the final state after the last chunk
+            @pl.when(i + 1 < N)
+            def _():
+                r["s_" + name][(bh, i + 1) + _tile_index(name, cols)] = value
+
+            @pl.when(i + 1 == N)
+            def _():
+                r["f_" + name][(bh,) + _tile_index(name, cols)] = value
+
         if cfg.momentum:
             mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
             carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
-            new["w0"] = new["w0"] + carry * start["m0"]
-            new["w1"] = new["w1"] + carry * start["m1"]
-            new["m0"] = mcarry * start["m0"] + mm_tn_(a, operand(mrows * d0))
-            new["m1"] = mcarry * start["m1"] + mm_tn_(operand(hidden), operand(mrows * e))
-
-        @pl.when(i + 1 < N)
-        def _():
-            for name in names:
-                r["s_" + name][(bh, i + 1) + _tile_index(name, cols)] = new[name]
-
-        @pl.when(i + 1 == N)
-        def _():
-            for name in names:
-                r["f_" + name][(bh,) + _tile_index(name, cols)] = new[name]
+        # each state's update is stored before the next one is formed
+        for layer, (left, right) in (("0", (a, d0)), ("1", (operand(hidden), e))):
+            w, m = "w" + layer, "m" + layer
+            update = decay * start(w) + mm_tn_(left, operand(rows * right))
+            if cfg.momentum:
+                update = update + carry * start(m)
+                put(m, mcarry * start(m) + mm_tn_(left, operand(mrows * right)))
+            put(w, update)
 
         _cta_barrier(cfg)   # this chunk's end state is stored before the next chunk loads it
         return stuck
@@ -319,74 +337,73 @@ def _bwd_kernel(r, cfg: _Cfg):
 
     def chunk(k, stuck):
         i = N - 1 - k
+        # Tiles are loaded where they are used, again where used again (the forward kernel's note):
+        # the start state's from s_, the carried cotangent X / M from g_ (this program's own writes
+        # of the chunk before, behind the CTA barrier).
+        st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
+        x = lambda name: load_f32(r["g_" + name], (bh,) + _tile_index(name, cols))
         a = r["a"][bh, i, :, :]
         a = a if cfg.low else a.astype(F32)
-        st = {name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols)) for name in names}
-        x = {name: load_f32(r["g_" + name], (bh,) + _tile_index(name, cols)) for name in names}
-        # The decay's and momentum coefficients' cotangents first: <X, θ>, <X, m>, <M, m> of the start
-        # state's tiles (H200, titans sizes: 23.1 -> 20.8 ms fwd+bwd against the same sums last,
-        # which keep the start tiles live through the chunk's dots).
-        total = lambda u, v: jnp.sum(u * v, keepdims=True)      # [1, 1]
-        r["ddecay"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["w0"]) + total(x["w1"], st["w1"])
+        # The decay's and momentum coefficients' cotangents first: <X, θ>, <X, m>, <M, m> of the
+        # start state's tiles.
+        total = lambda u, v: jnp.sum(x(u) * st(v), keepdims=True)      # [1, 1]
+        r["ddecay"][bh, pl.ds(i, 1), one_j] = total("w0", "w0") + total("w1", "w1")
         if cfg.momentum:
-            r["dcarry"][bh, pl.ds(i, 1), one_j] = total(x["w0"], st["m0"]) + total(x["w1"], st["m1"])
-            r["dmcarry"][bh, pl.ds(i, 1), one_j] = total(x["m0"], st["m0"]) + total(x["m1"], st["m1"])
-        e = load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_))
+            r["dcarry"][bh, pl.ds(i, 1), one_j] = total("w0", "m0") + total("w1", "m1")
+            r["dmcarry"][bh, pl.ds(i, 1), one_j] = total("m0", "m0") + total("m1", "m1")
+        e = operand(load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_)))
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
-        z = mm_(a, st["w0"])
-        hidden, slope, curve = act_grad2(cfg.activation, z)
-        g = mm_nt_(operand(e), st["w1"])                       # E W1ᵀ [n, bt]
-        d0 = g * slope
-        ax0 = mm_(a, operand(x["w0"]))
-        hx1 = mm_(operand(hidden), operand(x["w1"]))           # [n, dv]
-        big_a = rows * ax0
+        hidden, slope, curve = act_grad2(cfg.activation, mm_(a, st("w0")))
+        g = mm_nt_(e, st("w1"))                                # E W1ᵀ [n, bt]
+        d0, g_curve = g * slope, g * curve
+        ax0 = mm_(a, operand(x("w0")))
         # rowsum(E ⊙ H X1) = rowsum(H ⊙ E X1ᵀ): r̂'s two terms in one [n, bt] reduction, and
         # E X1ᵀ is Ĥ's term anyway
-        ex1 = mm_nt_(operand(e), operand(x["w1"]))             # E X1ᵀ [n, bt]
-        h_hat = rows * ex1
-        e_share = rows * hx1
-        d_rows = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
+        ex1 = mm_nt_(e, operand(x("w1")))                      # E X1ᵀ [n, bt]
+        big_a, h_hat = rows * ax0, rows * ex1
+        r["drows"][bh, i, j, :] = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
+        e_share = rows * mm_(operand(hidden), operand(x("w1")))   # [n, dv]
         if cfg.momentum:
             mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
-            axm = mm_(a, operand(x["m0"]))
-            hxm = mm_(operand(hidden), operand(x["m1"]))
-            big_a = big_a + mrows * axm
-            em1 = mm_nt_(operand(e), operand(x["m1"]))
-            h_hat = h_hat + mrows * em1
-            e_share = e_share + mrows * hxm
-            d_mrows = jnp.sum(d0 * axm + hidden * em1, axis=1)
+            axm = mm_(a, operand(x("m0")))
+            em1 = mm_nt_(e, operand(x("m1")))
+            big_a, h_hat = big_a + mrows * axm, h_hat + mrows * em1
+            r["dmrows"][bh, i, j, :] = jnp.sum(d0 * axm + hidden * em1, axis=1)
+            e_share = e_share + mrows * mm_(operand(hidden), operand(x("m1")))
         q = big_a * slope
         slot = lax.rem(k, 2)
-        r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st["w1"])
+        r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st("w1"))
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (k + 1)))
         e_hat = _tile_sum(r["share"], bh, slot, tiles, r["share"].shape[-2:])
         e_hat = jnp.where(stuck, jnp.nan, e_hat)
-        h_hat = h_hat + mm_nt_(operand(e_hat), st["w1"])
-        z_hat = h_hat * slope + big_a * g * curve
+        z_hat = (h_hat + mm_nt_(operand(e_hat), st("w1"))) * slope + big_a * g_curve
 
-        da = mm_nt_(operand(rows * d0), operand(x["w0"])) + mm_nt_(operand(z_hat), st["w0"])
+        da = mm_nt_(operand(rows * d0), operand(x("w0"))) + mm_nt_(operand(z_hat), st("w0"))
         if cfg.momentum:
-            da = da + mm_nt_(operand(mrows * d0), operand(x["m0"]))
+            da = da + mm_nt_(operand(mrows * d0), operand(x("m0")))
         if cfg.residual:
             da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_hat   # tile 0 adds it
         r["da"][bh, i, j, :, :] = da
-        r["drows"][bh, i, j, :] = d_rows
 
         @pl.when(j == 0)
         def _():
             r["dt"][bh, i, :, :] = -e_hat
 
         decay = _scalar(r["decay"], bh, i)
-        new = {"w0": decay * x["w0"] + mm_tn_(a, operand(z_hat)),
-               "w1": decay * x["w1"] + mm_tn_(operand(q), operand(e)) + mm_tn_(operand(hidden), operand(e_hat))}
         if cfg.momentum:
-            r["dmrows"][bh, i, j, :] = d_mrows
             carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
-            new["m0"] = carry * x["w0"] + mcarry * x["m0"]
-            new["m1"] = carry * x["w1"] + mcarry * x["m1"]
-        for name in names:   # + the cotangent chunk i's start state receives directly
-            idx = (bh,) + _tile_index(name, cols)
-            r["g_" + name][idx] = new[name] + load_f32(r["ds_" + name], (bh, i) + _tile_index(name, cols))
+        # + the cotangent chunk i's start state receives directly; a layer's X and M are read before
+        # either is overwritten
+        for layer, own in (("0", mm_tn_(a, operand(z_hat))),
+                           ("1", mm_tn_(operand(q), e) + mm_tn_(operand(hidden), operand(e_hat)))):
+            w, m = "w" + layer, "m" + layer
+            x_w = x(w)
+            new = {w: decay * x_w + own}
+            if cfg.momentum:
+                new[m] = carry * x_w + mcarry * x(m)
+            for name, value in new.items():
+                idx = (bh,) + _tile_index(name, cols)
+                r["g_" + name][idx] = value + load_f32(r["ds_" + name], (bh, i) + _tile_index(name, cols))
         _cta_barrier(cfg)
         return stuck
 
@@ -470,7 +487,7 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
                         f"{type(bs).__name__}.")
     interpret = bool(default_interpret() if interpret is None else interpret)
     hp = next_pow2(state.w0.shape[-1], least=16)
-    bs = bs.resolve(hp, interpret)
+    bs = bs.resolve(hp, interpret, a.shape[0] * a.shape[1])
     bs.check(hp, interpret)
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
