@@ -210,7 +210,8 @@ def test_split_intra_forward(gate):
     check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_intra=True), chunk_size=32)
 
 
-@pytest.mark.parametrize("gate", ["none", "scalar"])
+# gate "none" is "scalar" with a zero gate: slow-marked to keep `make test` under 20 minutes
+@pytest.mark.parametrize("gate", [pytest.param("none", marks=pytest.mark.slow), "scalar"])
 def test_solve_kkt_pieces(gate):
     """The solve kernel's A = K K^T as 16x16 register blocks over pieces of K (the bf16 default)
     in float32 (which defaults to the wide A), two pieces on two stages; and in bf16 with the
@@ -353,7 +354,8 @@ def test_head_dim_64_chunk_64(gate):
 
 @pytest.mark.parametrize("gate,K,V,dtype", [("none", 128, 128, jnp.float32),
                                             ("scalar", 256, 128, jnp.float32),
-                                            ("channel", 128, 256, jnp.float32),
+                                            # V 256 with the channel gate: the bf16 case covers it in `make test`
+                                            pytest.param("channel", 128, 256, jnp.float32, marks=pytest.mark.slow),
                                             ("channel", 64, 256, jnp.bfloat16)])
 def test_head_dims_128_and_256(gate, K, V, dtype):
     """The GPU head dims with their default block sizes (V blocks, warps, the layouts chosen for
