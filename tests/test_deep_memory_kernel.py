@@ -126,12 +126,17 @@ def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, acti
 
 def test_backward_warps_follow_the_grid(monkeypatch):
     """num_warps_bwd None: 8 warps while the backward's programs (tiles × B·H) fit one per
-    multiprocessor, else 4; a given value is kept."""
+    multiprocessor, else 4; block_hidden_bwd None: 32 where twice the programs still fit; given
+    values are kept."""
     import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
     monkeypatch.setattr(gpu_kernels, "_multiprocessors", lambda: 132)
-    assert MLPGpuBlockSizes().resolve(512, False, 16).num_warps_bwd == 8      # 8 tiles × 16 = 128 programs
-    assert MLPGpuBlockSizes().resolve(512, False, 32).num_warps_bwd == 4      # 256 programs
-    assert MLPGpuBlockSizes(num_warps_bwd=2).resolve(512, False, 8).num_warps_bwd == 2
+    resolved = lambda bh, **kw: MLPGpuBlockSizes(**kw).resolve(512, False, bh)
+    assert (resolved(16).block_hidden_bwd, resolved(16).num_warps_bwd) == (64, 8)   # 8 tiles × 16 = 128 programs
+    assert (resolved(32).block_hidden_bwd, resolved(32).num_warps_bwd) == (64, 4)   # 256 programs
+    assert (resolved(8).block_hidden_bwd, resolved(8).num_warps_bwd) == (32, 8)     # 16 tiles of 32 × 8 = 128
+    assert resolved(8, num_warps_bwd=2).num_warps_bwd == 2
+    assert resolved(8, block_hidden=64).block_hidden_bwd == 64                     # a given forward tile: the same
+    assert MLPGpuBlockSizes().resolve(512, True, 8).block_hidden_bwd == 512        # interpret: one tile
 
 
 def _window_spec():

@@ -39,7 +39,7 @@ sequence.
 
 Measured on an H200 (2026-11-26, titans sizes: B4 H8, 64 chunks of 64, d 128, h 512, momentum,
 GELU, every start state kept, bf16 sources; benchmarks/results/titans_persistent_h200_2026-11-26.md,
-its later sections): forward 3.7 ms against ~4.9 for the XLA scan, forward + backward 18.2 ms with
+its later sections): forward 3.7 ms against ~4.9 for the XLA scan, forward + backward 17.8 ms with
 the backward kernel against 20.0 with the forward kernel and XLA's reverse pass (~24.6 all in XLA).
 Both kernels use all 255 registers a thread and still spill (ncu: ~1.3 GB of local-memory loads
 forward, ~15 GB backward) — why a tile is loaded where it is used rather than kept — so the
@@ -47,9 +47,10 @@ backward (~225 µs a chunk against the forward's ~58) is bound by its spills, no
 its barrier. At B1 H8 (64 programs, fewer than the GPU's multiprocessors) eight warps a backward
 program win (29.5 against 34.8 ms for 256 chunks; XLA's reverse pass 31.3); at B4 (256 programs)
 four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's registers, and then
-256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count. titans' memory
-layer (bf16, forward+backward, one command): B4 T4096 H8 D128 27.6 ms against 30.0 with XLA's
-reverse pass and 33.6 for the XLA dual form. float32 sources with TF32 dots: forward level with
+256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count; and where even
+twice the programs fit, the backward takes tiles of 32 (B1 H8: 26.2 against 29.7 ms). titans' memory
+layer (bf16, forward+backward): B4 T4096 H8 D128 27.4 ms, B1 T16384 35.8 (titans-pytorch 99.1 and
+102.2 in the same commands); the XLA dual form 33.6–34.0 and 61.5–62.6 in earlier commands. float32 sources with TF32 dots: forward level with
 XLA (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
 inputs only.
 
@@ -94,8 +95,8 @@ SPIN_CAP = 1 << 16
 @dataclasses.dataclass(frozen=True)
 class MLPGpuBlockSizes:
     """block_hidden / block_hidden_bwd: hidden units per program of the forward / backward kernel
-    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 64), the backward's
-    the forward's); in interpret mode both must be h (one tile per head, module docstring).
+    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 64) forward, and the
+    backward's 32 where h / 32 · B·H programs fit one per multiprocessor, else the forward's); in interpret mode both must be h (one tile per head, module docstring).
     num_warps_fwd / num_warps_bwd: warps per program (num_warps_bwd None: 8 when the backward's
     programs fit one per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
     (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
@@ -110,7 +111,12 @@ class MLPGpuBlockSizes:
 
     def resolve(self, h, interpret, sequences_heads):
         fwd = (h if interpret else min(h, 64)) if self.block_hidden is None else self.block_hidden
-        bwd = fwd if self.block_hidden_bwd is None else self.block_hidden_bwd
+        bwd = self.block_hidden_bwd
+        if bwd is None:
+            # narrower backward tiles (fewer values a thread, fewer spills) while twice the programs
+            # still fit one per multiprocessor
+            narrow = self.block_hidden is None and not interpret and fwd == 64
+            bwd = 32 if narrow and (h // 32) * sequences_heads <= _multiprocessors() else fwd
         warps = self.num_warps_bwd
         if warps is None and is_int(bwd) and bwd > 0:
             warps = 8 if (h // bwd) * sequences_heads <= _multiprocessors() else 4
@@ -376,29 +382,33 @@ def _bwd_kernel(r, cfg: _Cfg):
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (k + 1)))
         e_hat = _tile_sum(r["share"], bh, slot, tiles, r["share"].shape[-2:])
         e_hat = jnp.where(stuck, jnp.nan, e_hat)
-        z_hat = (h_hat + mm_nt_(operand(e_hat), st("w1"))) * slope + big_a * g_curve
+
+        @pl.when(j == 0)
+        def _():
+            r["dt"][bh, i, :, :] = -e_hat
+
+        e_res = e_hat if cfg.residual else None
+        e_hat = operand(e_hat)
+        z_hat = (h_hat + mm_nt_(e_hat, st("w1"))) * slope + big_a * g_curve
 
         da = mm_nt_(operand(rows * d0), operand(x("w0"))) + mm_nt_(operand(z_hat), st("w0"))
         if cfg.momentum:
             da = da + mm_nt_(operand(mrows * d0), operand(x("m0")))
         if cfg.residual:
-            da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_hat   # tile 0 adds it
+            da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_res   # tile 0 adds it
         r["da"][bh, i, j, :, :] = da
-
-        @pl.when(j == 0)
-        def _():
-            r["dt"][bh, i, :, :] = -e_hat
 
         decay = _scalar(r["decay"], bh, i)
         if cfg.momentum:
             carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
         # + the cotangent chunk i's start state receives directly; a layer's X and M are read before
         # either is overwritten
-        for layer, own in (("0", mm_tn_(a, operand(z_hat))),
-                           ("1", mm_tn_(operand(q), e) + mm_tn_(operand(hidden), operand(e_hat)))):
+        owns = {"0": lambda: mm_tn_(a, operand(z_hat)),
+                "1": lambda: mm_tn_(operand(q), e) + mm_tn_(operand(hidden), operand(e_hat))}
+        for layer, own in owns.items():
             w, m = "w" + layer, "m" + layer
             x_w = x(w)
-            new = {w: decay * x_w + own}
+            new = {w: decay * x_w + own()}
             if cfg.momentum:
                 new[m] = carry * x_w + mcarry * x(m)
             for name, value in new.items():
