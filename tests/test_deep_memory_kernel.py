@@ -180,6 +180,24 @@ def test_memory_spec_on_the_kernel_equals_the_dual_form(name):
         assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
 
 
+def test_memory_spec_on_the_kernel_with_extreme_gates():
+    """titans with gates at their ends: decay α ≈ 1 and α = e^-30, momentum η at 0 and ≈ 1, step
+    sizes 0 and 1 (token by token at random), through the kernel against the dual form."""
+    spec = SPECS["titans"]()
+    q, k, v, knobs, state = _spec_inputs(spec, 5, T=41)
+    pick = lambda key, low, high: jnp.where(jax.random.bernoulli(key, 0.5, knobs["beta"].shape), low, high)
+    ks = jax.random.split(jax.random.PRNGKey(12), 3)
+    knobs = {"beta": pick(ks[0], 0.0, 1.0), "g": pick(ks[1], -1e-6, -30.0), "nu": pick(ks[2], 0.0, 1.0 - 1e-6)}
+    args = (q, k, v, knobs, state)
+    with chunked.dual_form():
+        o_r, f_r, g_r = _spec_run(spec, "chunk", args)
+        o, f, g = _spec_run(spec, "pallas", args)
+    assert bool(jnp.isfinite(o).all()) and rel(o, o_r) <= TOL
+    assert tree_rel(f, f_r) <= TOL
+    for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
+        assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
+
+
 def test_routing_and_errors():
     assert not presets.get("atlas").has_kernel and not presets.get("moneta").has_kernel
     # A residual MLP on identity features has a kernel; with d_k != d_v it needs a skip map, which
