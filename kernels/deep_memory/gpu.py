@@ -77,9 +77,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from atlas_jax.kernels.deep_memory import support
-from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad, act_grad2, is_int
+from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad, act_grad2
 from atlas_jax.kernels.delta_family.gpu import default_interpret
 from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt, mm_tn
+from atlas_jax.kernels.delta_family.support import check_num_warps, is_int
 from atlas_jax.kernels.omega.support import next_pow2
 from atlas_jax.ops.deep_memory.state_pass import MLPStates
 
@@ -132,11 +133,7 @@ class MLPGpuBlockSizes:
                 raise ValueError(f"{_FN}: in interpret mode `block_sizes.{name}` must be the whole hidden "
                                  f"width {h} (programs run one after another there, so tiles of one head could "
                                  f"never meet at a barrier); got {b}.")
-        for name in ("num_warps_fwd", "num_warps_bwd"):
-            w = getattr(self, name)
-            if not is_int(w) or w < 1 or w > 32 or w & (w - 1):
-                raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two from 1 to 32; "
-                                 f"got {w!r}.")
+        check_num_warps(_FN, self, ("num_warps_fwd", "num_warps_bwd"))
         if self.backward not in BACKWARDS:
             raise ValueError(f"{_FN}: argument `block_sizes.backward` must be one of {BACKWARDS}; got "
                              f"{self.backward!r}.")

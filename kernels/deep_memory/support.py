@@ -20,11 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from atlas_jax.ops.deep_memory.state_pass import MLPStates, mlp_chunk_step
@@ -32,10 +30,6 @@ from atlas_jax.ops.deep_memory.state_pass import MLPStates, mlp_chunk_step
 F32, BF16 = jnp.float32, jnp.bfloat16
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-
-def is_int(x):
-    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from atlas_jax.kernels.deep_memory import support
-from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad, is_int
+from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad
+from atlas_jax.kernels.delta_family.support import is_int
 from atlas_jax.kernels.delta_family.tpu import resolve_interpret
 from atlas_jax.kernels.delta_family.tpu_math import mm, mm_nt, mm_tn
 from atlas_jax.ops.deep_memory.state_pass import MLPStates

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 from jax.experimental.pallas import triton as plgpu
+
+from atlas_jax.kernels.delta_family.support import check_num_warps, is_int
 
 # The wide K1 layout needs the Triton barrier primitive (present in jax 0.10 and 0.11).
 HAS_BARRIER = hasattr(plgpu, "debug_barrier")
@@ -20,10 +21,6 @@ HAS_BARRIER = hasattr(plgpu, "debug_barrier")
 def _given(value, default):
     """The field if set (0 included, so that validation sees it), else the heuristic's value."""
     return default if value is None else value
-
-
-def _is_int(x):
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,29 +174,25 @@ class GpuBlockSizes:
         """ValueError unless every (resolved) field is valid and fits the value head dim V."""
         for name, b in (("block_v", self.block_v), ("block_v_bwd", self.block_v_bwd),
                         ("block_v_out", self.block_v_out)):
-            if not _is_int(b) or b < 16 or b & (b - 1) or V % b:
+            if not is_int(b) or b < 16 or b & (b - 1) or V % b:
                 raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two >= 16 "
                                  f"dividing V = {V}; got {b!r}.")
-        for name in ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
-                     "num_warps_out", "num_warps_diag", "num_warps_pairs", "num_warps_pairs_bwd"):
-            w = getattr(self, name)
-            if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
-                raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two from "
-                                 f"1 to 32 (warps per program); got {w!r}.")
+        check_num_warps(op, self, ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
+                                   "num_warps_out", "num_warps_diag", "num_warps_pairs", "num_warps_pairs_bwd"))
         for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out", "block_wu",
                      "block_wu_channel"):
             b = getattr(self, name)
-            if not _is_int(b) or b < 16 or b & (b - 1):
+            if not is_int(b) or b < 16 or b & (b - 1):
                 raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two "
                                  f">= 16 (K columns per piece); got {b!r}.")
         d = self.diag_heads
-        if not _is_int(d) or d < 1 or d & (d - 1):
+        if not is_int(d) or d < 1 or d & (d - 1):
             raise ValueError(f"{op}: argument `block_sizes.diag_heads` must be a power of two >= 1 "
                              f"(heads per diagonal-block program); got {d!r}.")
         for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd", "num_stages_out",
                      "num_stages_pairs", "num_stages_solve"):
             n = getattr(self, name)
-            if not _is_int(n) or n < 1:
+            if not is_int(n) or n < 1:
                 raise ValueError(f"{op}: argument `block_sizes.{name}` must be a positive integer "
                                  f"(pipeline stages); got {n!r}.")
         if self.diag_inverse not in ("products", "substitution"):
@@ -209,7 +202,7 @@ class GpuBlockSizes:
             raise ValueError(f"{op}: argument `block_sizes.merge_dots` must be 1 (tf32), 3 or 6; "
                              f"got {self.merge_dots!r}.")
         b = self.block_k_kkt
-        if not _is_int(b) or (b != 0 and (b < 16 or b & (b - 1))):
+        if not is_int(b) or (b != 0 and (b < 16 or b & (b - 1))):
             raise ValueError(f"{op}: argument `block_sizes.block_k_kkt` must be 0 (off) or a power "
                              f"of two >= 16 (K columns per piece); got {b!r}.")
         if self.wide_intra and not HAS_BARRIER and not interpret:

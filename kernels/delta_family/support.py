@@ -92,8 +92,17 @@ class DeltaCall:
 # Scalar arguments
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
+
+
+def check_num_warps(op, block_sizes, names):
+    """ValueError unless each named field of ``block_sizes`` is a power of two from 1 to 32."""
+    for name in names:
+        w = getattr(block_sizes, name)
+        if not is_int(w) or w < 1 or w > 32 or w & (w - 1):
+            raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two from 1 to 32 "
+                             f"(warps per program); got {w!r}.")
 
 
 def check_impl(op, impl):
@@ -104,7 +113,7 @@ def check_impl(op, impl):
 
 def check_chunk_size(op, chunk_size, *, kernel=False) -> int:
     """A positive int (the XLA chunk form takes any); one of CHUNK_SIZES for the kernels."""
-    if not _is_int(chunk_size) or int(chunk_size) <= 0:
+    if not is_int(chunk_size) or int(chunk_size) <= 0:
         raise ValueError(f"{op}: argument `chunk_size` must be a positive int (e.g. 64); got "
                          f"{chunk_size!r}.")
     if kernel and int(chunk_size) not in CHUNK_SIZES:

@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt, mm_tn
+from atlas_jax.kernels.delta_family.support import check_num_warps, is_int
 from atlas_jax.kernels.omega import support
 from jax import lax
 from jax.experimental import pallas as pl
@@ -50,10 +49,6 @@ __all__ = ["OmegaGpuBlockSizes", "omega_state_pass_gpu"]
 
 F32 = jnp.float32
 _FN = "omega_state_pass_gpu"
-
-
-def _is_int(x):
-    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +76,11 @@ class OmegaGpuBlockSizes:
 
     def check(self, V):
         b = self.block_v
-        if not _is_int(b) or b < 16 or b & (b - 1) or V % b:
+        if not is_int(b) or b < 16 or b & (b - 1) or V % b:
             raise ValueError(f"{_FN}: argument `block_sizes.block_v` must be a power of two >= 16 "
                              f"dividing V = {V} (padded to a power of two); got {b!r}.")
-        for name in ("num_warps", "num_warps_bwd"):
-            w = getattr(self, name)
-            if not _is_int(w) or w < 1 or w > 32 or w & (w - 1):
-                raise ValueError(f"{_FN}: argument `block_sizes.{name}` must be a power of two "
-                                 f"from 1 to 32 (warps per program); got {w!r}.")
-        if not _is_int(self.num_stages) or self.num_stages < 1:
+        check_num_warps(_FN, self, ("num_warps", "num_warps_bwd"))
+        if not is_int(self.num_stages) or self.num_stages < 1:
             raise ValueError(f"{_FN}: argument `block_sizes.num_stages` must be a positive int "
                              f"(pipeline stages); got {self.num_stages!r}.")
 
