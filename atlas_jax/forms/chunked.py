@@ -364,10 +364,11 @@ def deep_kernel_route(spec, state: MemoryState, steps: Steps, *, impl: str, chun
     deep-memory kernel: impl "pallas" whenever the kernel takes the call (else NotImplementedError
     saying why); "auto" for bf16 inputs on a GPU where the kernel takes the call. On an H200
     (titans, B4 T4096 H8 D128, bf16, one command; benchmarks/results/titans_persistent_h200_2026-11-26.md)
-    the kernel route ran forward+backward in 27.4 ms (27.8 in the command with the XLA form) against 34.0 for the XLA dual form, forward
-    in 6.6 against 8.5, at 6.4 against 3.6 GiB peak (the split form keeps every chunk's read
-    intermediates); B1 T16384 35.8 ms (39.8 against 62.6 in that command, before narrower backward tiles). float32 inputs stay on XLA: the kernel's
-    float32 forward is level with XLA's with TF32 products and slower with exact ones."""
+    the kernel route ran forward+backward in 27.8 ms against 34.0 for the XLA dual form, forward in
+    6.6 against 8.5, at 6.4 against 3.6 GiB peak (the split form keeps every chunk's read
+    intermediates); B1 T16384 39.8 against 62.6 ms (35.8 in a later command, with narrower
+    backward tiles). float32 inputs stay on XLA: the kernel's float32 forward is level with XLA's
+    with TF32 products and slower with exact ones."""
     from atlas_jax.forms import dual
 
     if impl not in ("pallas", "auto") or not deep_kernel_covers(spec) or _FORM == "materialising":
