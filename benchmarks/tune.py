@@ -47,6 +47,12 @@ VARIANTS = {
     "pairs_bk32": dict(block_k_pairs=32),
     "pairs_bk128_s1": dict(block_k_pairs=128, num_stages_pairs=1),
     "pairs_split_solve": dict(fuse_pairs_solve=False),      # bf16 KDA: K1a forms T
+    "pairs_bk32_s3": dict(block_k_pairs=32, num_stages_pairs=3),
+    "pairs_bk16": dict(block_k_pairs=16),
+    "pairs_s1": dict(num_stages_pairs=1),
+    "pairs_bk64": dict(block_k_pairs=64),                   # K1p's default before 2026-11-26
+    "state_bv64": dict(block_v=64),                         # KDA's K2 default before 2026-11-26
+    "wu_s2": dict(num_stages_intra=2),
     "pairs_bwd_bk128": dict(block_k_pairs_bwd=128),
     "wuc32_s3": dict(block_wu_channel=32, num_stages_intra=3),
     # K2 / K2o (state pass, output)

@@ -236,9 +236,11 @@ def test_split_state_backward(gate):
 def test_one_pass_state_backward_on_stored_gates(gate):
     """The one-pass reverse state pass (P recomputed on the way) with K1b's stored gate operands
     (the scalar gate's cumulative gate, gated on the [C, BV] side; the channel gate's Gam q and
-    exp(G_C - G) k), at V blocks of 16 and extreme gates."""
+    exp(G_C - G) k), at V blocks of 16 in the reverse pass and extreme gates; the channel gate's
+    forward pass takes V blocks of 32 (block_v_state_bwd: the two passes tile V apart)."""
     args, w = make(17, gate=gate, T_=45, strength="extreme")
-    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_state_bwd=False, block_v=16))
+    bv = dict(block_v=32, block_v_state_bwd=16) if gate == "channel" else dict(block_v=16)
+    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_state_bwd=False, **bv))
 
 
 @pytest.mark.parametrize("case", ["random", "unit_keys_beta1", "all_equal_keys"])
@@ -443,6 +445,7 @@ def test_validation_errors():
     with pytest.raises(TypeError, match="`cu_seqlens`"):
         f(q, k, v, beta, g, cu_seqlens=np.array([0.0, T]))
     bad_block_sizes = [("block_v", dict(block_v=24)),
+                       ("block_v_state_bwd", dict(block_v_state_bwd=64)),   # > V = 32
                        ("block_v_out", dict(block_v_out=64)),        # > V = 32
                        ("merge_dots", dict(merge_dots=4)),
                        ("block_k_kkt", dict(block_k_kkt=24)),
@@ -664,6 +667,22 @@ def test_default_blocks_fit_shared_memory(gate, dtype, H):
     assert bs.block_v == (16 if H == 4 else 64)
     est = shared_memory_estimates(gate, 256, 512, dtype, H=H)
     assert max(est.values()) <= H100_SHARED_BYTES, est
+
+
+def test_channel_gate_block_defaults():
+    """KDA's tuned defaults: the forward state pass aims at 256 programs, the reverse one at 128
+    (and follows a given block_v); K1p takes 32 columns a piece where it forms T (bf16), 64 with
+    the split solve (float32, or fuse_pairs_solve=False)."""
+    bs = GpuBlockSizes().resolve(128, 128, programs=64, gate="channel", low=True)
+    assert (bs.block_v, bs.block_v_state_bwd, bs.block_k_pairs) == (32, 64, 32)
+    bs = GpuBlockSizes().resolve(128, 128, programs=128, gate="channel", low=False)
+    assert (bs.block_v, bs.block_v_state_bwd, bs.block_k_pairs) == (64, 64, 64)
+    bs = GpuBlockSizes(fuse_pairs_solve=False).resolve(128, 128, programs=64, gate="channel")
+    assert bs.block_k_pairs == 64
+    bs = GpuBlockSizes(block_v=16).resolve(128, 128, programs=64, gate="channel")
+    assert (bs.block_v, bs.block_v_state_bwd) == (16, 16)
+    bs = GpuBlockSizes().resolve(128, 128, programs=64, gate="scalar")
+    assert (bs.block_v, bs.block_v_state_bwd) == (64, 64)
 
 
 def test_default_block_v_out_unchanged_up_to_v_256():

@@ -12,8 +12,8 @@ launcher per kernel: BlockSpecs, grid, buffers; the `jax.custom_vjp`); `gpu_fwd.
 (supported sizes and the argument checker shared with the ops and the TPU entry).
 
 Kernels. C = chunk size, NT = chunks, Tp = NT * C, NS = sequences (B, or N packed), BV =
-block_v, BVo = block_v_out, bh = diag_heads dividing H (grouped value heads: gcd(G,
-diag_heads) heads of one group sharing one q/k row). "Default" means GpuBlockSizes() at bf16
+block_v, BV3 = block_v_state_bwd, BVo = block_v_out, bh = diag_heads dividing H (grouped value
+heads: gcd(G, diag_heads) heads of one group sharing one q/k row). "Default" means GpuBlockSizes() at bf16
 or float32; every kernel runs for every gate unless the column says otherwise.
 
   label kernel (gpu_fwd / gpu_bwd)       launcher (gpu_launch)  grid               runs when
@@ -30,8 +30,8 @@ or float32; every kernel runs for every gate unless the column says otherwise.
   K2o   output_kernel                    _output                (V/BVo, NT, B, H)  default (lean K2)
   K3a   du_local_kernel                  _du_local              (V/BVo, NT, B, H)  split_state_bwd
                                                                                    (default: scalar)
-  K3    state_bwd_lean_kernel            _state_backward        (NS, H, V/BV)      split_state_bwd
-        state_bwd_kernel                 _state_backward        (NS, H, V/BV)      otherwise (default:
+  K3    state_bwd_lean_kernel            _state_backward        (NS, H, V/BV3)     split_state_bwd
+        state_bwd_kernel                 _state_backward        (NS, H, V/BV3)     otherwise (default:
                                                                                    none, channel)
   K4    intra_bwd_kernel                 _intra_backward        (NT, B, H)         always (KDA: the
                                                                                    dense part)

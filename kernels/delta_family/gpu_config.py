@@ -27,8 +27,10 @@ def _given(value, default):
 class GpuBlockSizes:
     """Tiling and launch parameters of the GPU kernels (None: a heuristic from the shapes).
 
-    block_v:        V block of the sequential state passes K2, K3 (V / block_v programs per
-                    sequence and head).
+    block_v:        V block of the forward state pass K2 (V / block_v programs per sequence and
+                    head); also K3's unless block_v_state_bwd is given.
+    block_v_state_bwd: V block of the reverse state pass K3 (None: block_v when given, else
+                    the same heuristic at >= 128 programs).
     block_v_bwd:    V block of the loop inside K4 (register use).
     num_warps_intra / num_warps_state / num_warps_bwd: warps of K1 (K1b when split), of K2 and
                     K3, and of K4.
@@ -63,6 +65,7 @@ class GpuBlockSizes:
     block_wu_channel: KDA: the same for K1b (gate operands, W, U0).
     """
     block_v: int | None = None
+    block_v_state_bwd: int | None = None
     block_v_bwd: int | None = None
     num_warps_intra: int | None = None
     num_warps_state: int | None = None
@@ -103,13 +106,19 @@ class GpuBlockSizes:
         from the shared memory each pass needs. The numbers behind every choice:
         benchmarks/results/gpu_block_sizes_notes.md.
         """
-        bv = self.block_v
-        if bv is None:
+        def seq_block(target):
             # One program per (sequence, head, V block) runs the sequential chunk loop: aim at
-            # >= 128 of them (one per SM on H100/H200) without V blocks below 16.
+            # >= target of them without V blocks below 16.
             bv = min(V, 64)
-            while programs is not None and bv > 16 and programs * (V // bv) < 128:
+            while programs is not None and bv > 16 and programs * (V // bv) < target:
                 bv //= 2
+            return bv
+
+        # 128: one per SM on H100/H200. KDA's forward pass: 256 (H200, B4 T4096 H16 D128 bf16,
+        # 128 -> 256 programs, best of 4 interleaved rounds: fwd 0.869 -> 0.849 ms; the reverse
+        # pass keeps 128: fwd+bwd 4.87 -> 5.00 with both at 256, an earlier call).
+        bv = _given(self.block_v, seq_block(256 if gate == "channel" else 128))
+        bv_state_bwd = _given(self.block_v_state_bwd, _given(self.block_v, seq_block(128)))
         # K4's V loop: 64 columns, except float32 at K >= 256 (32; registers). bf16 K = 256,
         # V = 512 (fla's GatedDeltaNet LM), H100: 64 took fwd+bwd from 6.19 to 5.37 ms.
         bvb = _given(self.block_v_bwd, min(V, 32 if K >= 256 and not low else 64))
@@ -123,7 +132,7 @@ class GpuBlockSizes:
             stages = 1
         kkt = _given(self.block_k_kkt, 64 if low and split_intra and gate != "channel" else 0)
         return dataclasses.replace(
-            self, block_v=bv, block_v_bwd=bvb,
+            self, block_v=bv, block_v_state_bwd=bv_state_bwd, block_v_bwd=bvb,
             num_warps_intra=_given(self.num_warps_intra, 8 if big else 4),
             # bf16 at K = 256, V = 512 (fla's GatedDeltaNet LM), H100: four warps took the
             # forward from 1.61 to 1.44 ms (K2), to 1.47 (K2o).
@@ -155,7 +164,11 @@ class GpuBlockSizes:
             num_warps_solve=_given(self.num_warps_solve, 1),
             num_warps_diag=_given(self.num_warps_diag, 1),
             diag_heads=_given(self.diag_heads, min(4, max(1, 256 // K))),
-            block_k_pairs=_given(self.block_k_pairs, 64),
+            # 32 with T formed in K1p (H200, KDA B4 T4096 H16 D128 bf16, best of 4 interleaved
+            # rounds: fwd 0.904 -> 0.851 ms, HV 32: 1.726 -> 1.618; K1p alone 0.215 -> 0.181),
+            # 64 with the split solve (H100: 0.282 ms at 64 against 0.303 at 128).
+            block_k_pairs=_given(self.block_k_pairs,
+                                 32 if _given(self.fuse_pairs_solve, low) else 64),
             block_k_pairs_bwd=_given(self.block_k_pairs_bwd, 64),
             num_warps_pairs=_given(self.num_warps_pairs, 1),
             num_warps_pairs_bwd=_given(self.num_warps_pairs_bwd, 4),
@@ -172,8 +185,8 @@ class GpuBlockSizes:
 
     def check(self, op, V, *, interpret):
         """ValueError unless every (resolved) field is valid and fits the value head dim V."""
-        for name, b in (("block_v", self.block_v), ("block_v_bwd", self.block_v_bwd),
-                        ("block_v_out", self.block_v_out)):
+        for name, b in (("block_v", self.block_v), ("block_v_state_bwd", self.block_v_state_bwd),
+                        ("block_v_bwd", self.block_v_bwd), ("block_v_out", self.block_v_out)):
             if not is_int(b) or b < 16 or b & (b - 1) or V % b:
                 raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two >= 16 "
                                  f"dividing V = {V}; got {b!r}.")
