@@ -13,8 +13,9 @@ launcher per kernel: BlockSpecs, grid, buffers; the `jax.custom_vjp`); `gpu_fwd.
 
 Kernels. C = chunk size, NT = chunks, Tp = NT * C, NS = sequences (B, or N packed), BV =
 block_v, BV3 = block_v_state_bwd, BVo = block_v_out, bh = diag_heads dividing H (grouped value
-heads: gcd(G, diag_heads) heads of one group sharing one q/k row). "Default" means GpuBlockSizes() at bf16
-or float32; every kernel runs for every gate unless the column says otherwise.
+heads: gcd(G, diag_heads) heads of one group sharing one q/k row). "Default" means
+GpuBlockSizes() at bf16 or float32; every kernel runs for every gate unless the column says
+otherwise.
 
   label kernel (gpu_fwd / gpu_bwd)       launcher (gpu_launch)  grid               runs when
   K1    intra_fwd_kernel(part="all")     _intra_forward         (NT, B, H)         split_intra=False
