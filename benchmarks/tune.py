@@ -44,10 +44,9 @@ VARIANTS = {
     "diag_h2_w1": dict(diag_heads=2, num_warps_diag=1),
     "diag_h4_w4": dict(diag_heads=4, num_warps_diag=4),
     "pairs_w2": dict(num_warps_pairs=2),
-    "pairs_bk32": dict(block_k_pairs=32),
     "pairs_bk128_s1": dict(block_k_pairs=128, num_stages_pairs=1),
     "pairs_split_solve": dict(fuse_pairs_solve=False),      # bf16 KDA: K1a forms T
-    "pairs_bk32_s3": dict(block_k_pairs=32, num_stages_pairs=3),
+    "pairs_s3": dict(num_stages_pairs=3),
     "pairs_bk16": dict(block_k_pairs=16),
     "pairs_s1": dict(num_stages_pairs=1),
     "pairs_bk64": dict(block_k_pairs=64),                   # K1p's default before 2026-11-26

@@ -131,6 +131,7 @@ class GpuBlockSizes:
         else:
             stages = 1
         kkt = _given(self.block_k_kkt, 64 if low and split_intra and gate != "channel" else 0)
+        fuse_pairs = bool(_given(self.fuse_pairs_solve, low))
         return dataclasses.replace(
             self, block_v=bv, block_v_state_bwd=bv_state_bwd, block_v_bwd=bvb,
             num_warps_intra=_given(self.num_warps_intra, 8 if big else 4),
@@ -167,14 +168,13 @@ class GpuBlockSizes:
             # 32 with T formed in K1p (H200, KDA B4 T4096 H16 D128 bf16, best of 4 interleaved
             # rounds: fwd 0.904 -> 0.851 ms, HV 32: 1.726 -> 1.618; K1p alone 0.215 -> 0.181),
             # 64 with the split solve (H100: 0.282 ms at 64 against 0.303 at 128).
-            block_k_pairs=_given(self.block_k_pairs,
-                                 32 if _given(self.fuse_pairs_solve, low) else 64),
+            block_k_pairs=_given(self.block_k_pairs, 32 if fuse_pairs else 64),
             block_k_pairs_bwd=_given(self.block_k_pairs_bwd, 64),
             num_warps_pairs=_given(self.num_warps_pairs, 1),
             num_warps_pairs_bwd=_given(self.num_warps_pairs_bwd, 4),
             # bf16: K1p forms T itself (H200, KDA B4 T4096 HV 32 fwd: 1.711 vs 1.738 ms, 1.4%
             # faster the session before; H16 the same time); float32 keeps the split solve.
-            fuse_pairs_solve=bool(_given(self.fuse_pairs_solve, low)),
+            fuse_pairs_solve=fuse_pairs,
             block_k_out=_given(self.block_k_out, 64),
             num_stages_out=_given(self.num_stages_out, 2 if gate == "channel" else 1),
             block_wu=_given(self.block_wu, 64),

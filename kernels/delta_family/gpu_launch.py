@@ -422,8 +422,8 @@ def _du_local(st: Static, q, k, g, res, do):
 def _state_backward(st: Static, q, k, g, offs, res, do, dsT):
     """K3: the reverse state pass: dS per chunk, dU and the initial state's gradient; with
     split_state_bwd, K3a computes dU_local first and the lean pass adds the state's part."""
-    if st.bs.block_v_state_bwd != st.kc.block_v:
-        st = dataclasses.replace(st, kc=dataclasses.replace(st.kc, block_v=st.bs.block_v_state_bwd))
+    # the reverse pass tiles V by its own block (kc.block_v is the tile of the pass at hand)
+    st = dataclasses.replace(st, kc=dataclasses.replace(st.kc, block_v=st.bs.block_v_state_bwd))
     kc, bs = st.kc, st.bs
     split = bs.split_state_bwd
     B, Tp, H, K = _value_heads(st, q)
