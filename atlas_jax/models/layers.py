@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from atlas_jax.kernels.delta_family.support import fused_gate
 from atlas_jax.memory import LinearMemory
 from atlas_jax.presets import ClosedForm
 from atlas_jax.spec import MemoryState
@@ -714,7 +715,7 @@ class MemoryLayer(nnx.Module):
             g = a.reshape(batch, time, h, -1)
             if not fused.get("use_gate_in_kernel"):
                 dt_bias = self.dt_bias[...].astype(jnp.float32).reshape(h, -1)
-                g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(g + dt_bias)
+                g = fused_gate(g, jnp.exp(self.A_log[...].astype(jnp.float32))[:, None], dt_bias)
             knobs["g"] = g if self.decay == "channel" else g[..., 0]
         if self.nu_proj is not None:
             knobs["nu"] = jax.nn.sigmoid(f32(self.nu_proj(x)))

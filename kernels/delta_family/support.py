@@ -13,6 +13,7 @@ Each knob has exactly one owner here:
   KERNEL_DTYPES        dtypes of q, k, v the kernels take (float32 accumulation either way)
   RESIDUALS_NAME       the `checkpoint_name` of what the kernels' forward saves for the backward
                        (a remat policy that keeps it skips rerunning the forward kernels)
+  fused_gate           fla's gate activation (use_gate_in_kernel), float32, one XLA pass
 
 `check_delta_call` is the one checker of shapes, dtypes and `cu_seqlens` for the public ops
 (`atlas_jax.ops`) and the kernel entries (`chunk_delta_family_gpu`, `chunk_delta_family_tpu`);
@@ -32,6 +33,21 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 RESIDUALS_NAME = "memory_kernel_residuals"
+
+
+def fused_gate(g, a, dt_bias, *, lower_bound=None):
+    """fla's fused gate in float32: -a * softplus(g + dt_bias), or with a lower_bound
+    lower_bound * sigmoid(a * (g + dt_bias)); a = exp(A_log) and dt_bias broadcast against g
+    (dt_bias None: 0). A raw gate of -inf (a masked position) gives exactly 0, no decay, with
+    finite gradients: the bounded form masks it on both sides of the sigmoid, since its
+    gradient in a would be 0 * (-inf) = NaN there (the softplus form needs no mask)."""
+    x = g.astype(jnp.float32)
+    if dt_bias is not None:
+        x = x + dt_bias
+    if lower_bound is None:
+        return -a * jax.nn.softplus(x)
+    off = x == -jnp.inf
+    return jnp.where(off, 0.0, lower_bound * jax.nn.sigmoid(a * jnp.where(off, 0.0, x)))
 
 
 def name_residuals(tree):

@@ -156,16 +156,11 @@ def _activations(beta, g, A_log, dt_bias, *, channel, beta_sigmoid, neg_eigval, 
         if neg_eigval:
             beta = 2.0 * beta
     if g is not None and (A_log is not None or lower_bound is not None):
-        x = g.astype(f32)
-        if dt_bias is not None:
-            x = x + dt_bias.astype(f32)
         a = 1.0 if A_log is None else jnp.exp(A_log.astype(f32))
         if channel and A_log is not None:
             a = a[:, None]
-        if channel and lower_bound is not None:
-            g = lower_bound * jax.nn.sigmoid(a * x)
-        else:
-            g = -a * jax.nn.softplus(x)
+        bias = None if dt_bias is None else dt_bias.astype(f32)
+        g = support.fused_gate(g, a, bias, lower_bound=lower_bound if channel else None)
     return beta, g
 
 
