@@ -714,8 +714,7 @@ class MemoryLayer(nnx.Module):
             a = f32(self.a_proj(x)) if self.decay == "scalar" else f32(self.g_up(self.g_down(x)))
             g = a.reshape(batch, time, h, -1)
             if not fused.get("use_gate_in_kernel"):
-                dt_bias = self.dt_bias[...].astype(jnp.float32).reshape(h, -1)
-                g = fused_gate(g, jnp.exp(self.A_log[...].astype(jnp.float32))[:, None], dt_bias)
+                g = fused_gate(g, self.A_log[...], self.dt_bias[...].reshape(h, -1))
             knobs["g"] = g if self.decay == "channel" else g[..., 0]
         if self.nu_proj is not None:
             knobs["nu"] = jax.nn.sigmoid(f32(self.nu_proj(x)))

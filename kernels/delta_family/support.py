@@ -35,15 +35,19 @@ from jax.ad_checkpoint import checkpoint_name
 RESIDUALS_NAME = "memory_kernel_residuals"
 
 
-def fused_gate(g, a, dt_bias, *, lower_bound=None):
+def fused_gate(g, A_log, dt_bias, *, lower_bound=None):
     """fla's fused gate in float32: -a * softplus(g + dt_bias), or with a lower_bound
-    lower_bound * sigmoid(a * (g + dt_bias)); a = exp(A_log) and dt_bias broadcast against g
-    (dt_bias None: 0). A raw gate of -inf (a masked position) gives exactly 0, no decay, with
-    finite gradients: the bounded form masks it on both sides of the sigmoid, since its
-    gradient in a would be 0 * (-inf) = NaN there (the softplus form needs no mask)."""
+    lower_bound * sigmoid(a * (g + dt_bias)), a = exp(A_log) (A_log None: a = 1). g is
+    [B, T, H] or [B, T, H, K]; A_log [H]; dt_bias broadcasts against g ([H] or [H, K]; None: 0).
+    A raw gate of -inf (a masked position) gives exactly 0, no decay, with finite gradients: the
+    bounded form masks it on both sides of the sigmoid, since its gradient in a would be
+    0 * (-inf) = NaN there (the softplus form needs no mask)."""
     x = g.astype(jnp.float32)
+    a = 1.0
+    if A_log is not None:
+        a = jnp.exp(A_log.astype(jnp.float32)).reshape(A_log.shape + (1,) * (g.ndim - 3))
     if dt_bias is not None:
-        x = x + dt_bias
+        x = x + dt_bias.astype(jnp.float32)
     if lower_bound is None:
         return -a * jax.nn.softplus(x)
     off = x == -jnp.inf

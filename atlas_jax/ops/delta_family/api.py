@@ -150,17 +150,12 @@ def _activations(beta, g, A_log, dt_bias, *, channel, beta_sigmoid, neg_eigval, 
       g <- -exp(A_log) * softplus(g + dt_bias), or for the channel gate with a lower_bound
       lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), when A_log or lower_bound is given
       (g None: unchanged). A_log [HV] (None: 1 for the exp), dt_bias [HV] or [HV, K] or None."""
-    f32 = jnp.float32
     if beta_sigmoid:
-        beta = jax.nn.sigmoid(beta.astype(f32))
+        beta = jax.nn.sigmoid(beta.astype(jnp.float32))
         if neg_eigval:
             beta = 2.0 * beta
     if g is not None and (A_log is not None or lower_bound is not None):
-        a = 1.0 if A_log is None else jnp.exp(A_log.astype(f32))
-        if channel and A_log is not None:
-            a = a[:, None]
-        bias = None if dt_bias is None else dt_bias.astype(f32)
-        g = support.fused_gate(g, a, bias, lower_bound=lower_bound if channel else None)
+        g = support.fused_gate(g, A_log, dt_bias, lower_bound=lower_bound if channel else None)
     return beta, g
 
 
