@@ -56,6 +56,10 @@ VARIANTS = {
     "wuc32_s3": dict(block_wu_channel=32, num_stages_intra=3),
     # K2 / K2o (state pass, output)
     "fused_out": dict(fuse_output=True),                  # K2 computes O itself, no K2o
+    "two_launches": dict(overlap_output=False),           # K2 then K2o (no flags)
+    "overlap_out": dict(overlap_output=True),             # K2 and K2o in one launch
+    "overlap_bv32": dict(overlap_output=True, block_v_overlap=32),
+    "overlap_bv128": dict(overlap_output=True, block_v_overlap=128),
     "state_bv16": dict(block_v=16),
     "state_bv32": dict(block_v=32),
     "state_s2": dict(num_stages_state=2),

@@ -128,6 +128,17 @@ def test_channel_grouped_heads_per_token_programs(group, diag_heads):
         assert rel(a, b) < 1e-5, (NAMES[i], rel(a, b))
 
 
+@pytest.mark.parametrize("s0", [True, False])
+def test_channel_overlapped_output(s0):
+    """K2 and K2o in one launch (overlap_output: output programs wait on per-chunk flags),
+    float32 against the scan: odd T, two V blocks of the state pass, with and without an
+    initial state."""
+    args, w = make(29, gate="channel", K=16, V=32, T_=45, H_=2)
+    if not s0:
+        args = args[:5] + [None]
+    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(overlap_output=True, block_v_overlap=16))
+
+
 @pytest.mark.parametrize("dtype,tol,fuse", [(jnp.float32, 1e-5, True), (jnp.bfloat16, 1e-2, False)])
 def test_channel_fused_pairs_solve(dtype, tol, fuse):
     """KDA with the layout that is not its dtype's default (every other channel test runs the
@@ -544,6 +555,26 @@ def test_triton_lowering_split_pairs_solve():
                    block_sizes=GpuBlockSizes(fuse_pairs_solve=False))
 
 
+def test_triton_lowering_overlapped_output_forward():
+    """The primal forward with K2 and K2o in one launch (overlap_output, the atomic flags):
+    K1d, K1p, K1b and that launch; the gradient's forward keeps the two launches (above)."""
+    args, _ = make(11, gate="channel", K=128, V=128, T_=200)
+    q, k, v, beta, g, _ = args
+    q, k, v, beta = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
+
+    def forward(q, k, v, beta, g):
+        return chunk_delta_family_gpu(q, k, v, beta, g, scale=0.1, output_final_state=True,
+                                      chunk_size=64, interpret=False,
+                                      block_sizes=GpuBlockSizes(overlap_output=True))
+
+    text = export.export(
+        jax.jit(forward), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, k, v, beta, g).mlir_module()
+    assert text.count("xla.gpu.triton") == 4
+    assert "delta_state_out_fwd" in text and "delta_output" not in text
+
+
 def test_triton_lowering_varlen_normalize():
     check_lowering(7, "scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True, normalize=True)
 
@@ -685,6 +716,24 @@ def test_channel_gate_block_defaults():
     assert (bs.block_v, bs.block_v_state_bwd) == (64, 64)
 
 
+def test_channel_gate_overlap_default():
+    """K2 and K2o share a launch by default where it was measured faster: bf16 KDA, K and
+    V <= 128, >= 128 state programs at V blocks of 64 (B4 H16 V128); not at B1 H16 (32), not in
+    float32, not at V 256 (an output program holds a whole [C, V] block)."""
+    resolve = GpuBlockSizes().resolve
+    bs = resolve(128, 128, programs=64, gate="channel", low=True)
+    assert bs.overlap_output and bs.block_v_overlap == 64 and bs.block_v == 32
+    assert not resolve(128, 128, programs=16, gate="channel", low=True).overlap_output
+    assert not resolve(128, 128, programs=64, gate="channel", low=False).overlap_output
+    assert not resolve(128, 256, programs=64, gate="channel", low=True).overlap_output
+    assert not resolve(128, 128, programs=64, gate="scalar", low=True).overlap_output
+    assert not GpuBlockSizes(overlap_output=False).resolve(
+        128, 128, programs=64, gate="channel", low=True).overlap_output
+    with pytest.raises(ValueError, match="block_v_overlap"):
+        GpuBlockSizes(block_v_overlap=48).resolve(
+            128, 128, programs=64, gate="channel").check("kda", 128, interpret=True)
+
+
 def test_default_block_v_out_unchanged_up_to_v_256():
     """The tuned defaults for V <= 256 stay (block_v_out = min(V, 128)) in both dtypes."""
     for K in (64, 128, 256):
@@ -712,6 +761,28 @@ def test_triton_lowering_all(gate, K, dtype):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
 def test_gpu_compiled(gate, dtype, tol):
     check_compiled_against_scan(12, gate, dtype, tol, K=128, V=128, T_=333, B_=2, H_=2)
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_output_matches_two_launches():
+    """KDA bf16 at a shape where the default puts K2 and K2o in one launch (B4 H16, 128 state
+    programs): the primal forward's outputs and final state bit for bit those of the two
+    launches (the same arithmetic per chunk; only the order of the programs differs)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args, _ = make(31, gate="channel", K=128, V=128, T_=1000, B_=4, H_=16)
+    q, k, v, beta, g, s0 = args
+    q, k, v, beta = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
+
+    def run(overlap):
+        return jax.jit(lambda *a: chunk_delta_family_gpu(
+            *a, scale=SCALE, initial_state=s0, output_final_state=True, chunk_size=64,
+            interpret=False, block_sizes=GpuBlockSizes(overlap_output=overlap)))(q, k, v, beta, g)
+
+    assert GpuBlockSizes().resolve(128, 128, programs=64, gate="channel").overlap_output
+    (o1, s1), (o2, s2) = run(None), run(False)
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
 
 
 def check_compiled_against_scan(seed, gate, dtype, tol, **shape):

@@ -29,6 +29,10 @@ otherwise.
   K2    state_fwd_lean_kernel            _state_forward_lean    (NS, H, V/BV)      default
         state_fwd_kernel                 _state_forward_fused   (NS, H, V/BV)      fuse_output=True
   K2o   output_kernel                    _output                (V/BVo, NT, B, H)  default (lean K2)
+  K2+o  state_out_fwd_kernel             _state_output_overlapped (NS·H·V/BV      KDA primal forward,
+                                                                + NT·B·H)         overlap_output
+                                                                                   (bf16 default at
+                                                                                   >= 128 programs)
   K3a   du_local_kernel                  _du_local              (V/BVo, NT, B, H)  split_state_bwd
                                                                                    (default: scalar)
   K3    state_bwd_lean_kernel            _state_backward        (NS, H, V/BV3)     split_state_bwd

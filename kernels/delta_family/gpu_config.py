@@ -38,6 +38,13 @@ class GpuBlockSizes:
     inter_dtype:    storage of W, U0 between kernels: "input" (bf16 for bf16 inputs) or "float32".
     state_dtype:    storage of the per-chunk states h, dh: "input" (as fla stores h) or "float32".
     fuse_output:    True: K2 also computes O (no K2o); False (default): lean K2, then K2o.
+    overlap_output: KDA (channel gate, K1b's gate operands, no packed sequences), forward
+                    without residuals (the primal call, not the VJP's): K2 and K2o in one
+                    launch, each output program waiting for its chunk's flag, so that the
+                    outputs of early chunks are formed while K2 walks the later ones (the
+                    output programs take all of V). None: bf16, K and V <= 128 (an output program
+                    holds a whole [C, V] block), >= 128 state programs at block_v_overlap.
+    block_v_overlap: V block of the state programs in that launch (None: 64).
     block_v_out / num_warps_out: V block and warps of K2o and K3a.
     wide_intra:     K1 forms A and W, U0 as whole-chunk [C, C] dots through the T buffer (needs
                     the Triton barrier); False: 16-row sub-block dots.
@@ -76,6 +83,8 @@ class GpuBlockSizes:
     inter_dtype: str = "input"
     state_dtype: str = "input"
     fuse_output: bool | None = None
+    overlap_output: bool | None = None
+    block_v_overlap: int | None = None
     block_v_out: int | None = None
     num_warps_out: int | None = None
     wide_intra: bool | None = None
@@ -121,6 +130,7 @@ class GpuBlockSizes:
         bv_state_bwd = _given(self.block_v_state_bwd, _given(self.block_v, seq_block(128)))
         # K4's V loop: 64 columns, except float32 at K >= 256 (32; registers). bf16 K = 256,
         # V = 512 (fla's GatedDeltaNet LM), H100: 64 took fwd+bwd from 6.19 to 5.37 ms.
+        bvo_overlap = _given(self.block_v_overlap, min(V, 64))
         bvb = _given(self.block_v_bwd, min(V, 32 if K >= 256 and not low else 64))
         big = max(K, V) >= 256
         split_intra = True if self.split_intra is None else self.split_intra
@@ -141,6 +151,17 @@ class GpuBlockSizes:
             num_warps_bwd=_given(self.num_warps_bwd, 4 if gate == "none" else 8),
             num_stages_state=_given(self.num_stages_state, stages),
             fuse_output=False if self.fuse_output is None else self.fuse_output,
+            # H200, KDA B4 T4096 H16 D128 bf16, fwd, best of 3-4 interleaved rounds: K2 then
+            # K2o 0.854-0.858 ms, one launch with V blocks of 64 (128 state programs) 0.832-
+            # 0.836; HV 32 (256) 1.615 / 1.613; at 32 programs (B1 H16, V blocks of 16) one
+            # launch was slower, 1.187 against 1.043: the waiting output programs then share
+            # the multiprocessors with too few state programs.
+            overlap_output=bool(_given(self.overlap_output,
+                                       low and gate == "channel" and programs is not None
+                                       and max(K, V) <= 128
+                                       and is_int(bvo_overlap) and 0 < bvo_overlap <= V
+                                       and programs * (V // bvo_overlap) >= 128)),
+            block_v_overlap=bvo_overlap,
             # K2o holds a [K, block_v_out] tile of h as a dot operand; float32 dots take it as
             # three bf16 parts, so at K = 256 a 128-wide tile asked 256 KiB of shared memory
             # (H100: 227 KiB a block) at V = 512. 64 there (estimate 192 KiB, see
@@ -186,6 +207,7 @@ class GpuBlockSizes:
     def check(self, op, V, *, interpret):
         """ValueError unless every (resolved) field is valid and fits the value head dim V."""
         for name, b in (("block_v", self.block_v), ("block_v_state_bwd", self.block_v_state_bwd),
+                        ("block_v_overlap", self.block_v_overlap),
                         ("block_v_bwd", self.block_v_bwd), ("block_v_out", self.block_v_out)):
             if not is_int(b) or b < 16 or b & (b - 1) or V % b:
                 raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two >= 16 "

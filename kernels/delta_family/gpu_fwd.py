@@ -14,6 +14,7 @@ Labels as in the table of `gpu.py` (C = chunk size; math in `gpu_math.py`):
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -479,7 +480,7 @@ def state_fwd_kernel(r, cfg: KernelCfg, nt_static: int):
     r["sT"][:, :] = s
 
 
-def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
+def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int, stored=None):
     """K2, lean: only the recurrence, two dots per chunk on the sequential path.
 
     Per chunk: stores h = S (the chunk's start state), U = U0 - W S ("v_new"), then
@@ -487,7 +488,8 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
     ([C, BV] products, not [C, K]; as fla's fwd_h), the channel gate's exp(G_C - G) k comes from
     K1b, and every dot operand is loaded as stored (`load_dot`). H100, B1 T16384 H16 D128 bf16,
     the scalar-gate pass alone: 0.56 ms with k gated and converted in registers, 0.33 like
-    this. The output comes from `output_kernel`, in parallel over chunks.
+    this. The output comes from `output_kernel`, in parallel over chunks. stored(n): called
+    once chunk n's h and U are stored (`state_out_fwd_kernel` releases the chunk's flag there).
     """
     C, K, BV, low = cfg.C, cfg.K, cfg.block_v, cfg.low
     lo, hi = chunk_range(r, cfg, nt_static)
@@ -498,6 +500,8 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
         r["h"][n, :, :] = s.astype(r["h"].dtype)
         u = load_f32(r["u0"], (sl, slice(None))) - mm(r["w"][sl, :], s, low)
         r["vn"][sl, :] = u.astype(r["vn"].dtype)
+        if stored is not None:
+            stored(n)
         if cfg.gate == "channel":
             _, kd, dec = gated_chunk(r, cfg, sl, n, with_q=False)
             return dec * s + mm_tn(kd, u, low)
@@ -509,6 +513,113 @@ def state_fwd_lean_kernel(r, cfg: KernelCfg, nt_static: int):
 
     s = lax.fori_loop(lo, hi, body, s)
     r["sT"][:, :] = s
+
+
+class _AtChunk:
+    """A ref holding every chunk of a sequence (the state pass's block: h [NT, K, BV], U
+    [Tp, BV]) seen as one chunk's block, as `output_kernel` indexes it."""
+
+    def __init__(self, ref, n, rows=None):
+        self.ref, self.n, self.rows = ref, n, rows
+        self.dtype = ref.dtype
+        self.shape = (rows,) + tuple(ref.shape[1:]) if rows else tuple(ref.shape[1:])
+
+    def __getitem__(self, idx):
+        if self.rows is None:
+            return self.ref[(self.n,) + tuple(idx)]
+        first = idx[0]
+        if isinstance(first, slice):
+            assert first == slice(None)
+            first = pl.ds(self.n * self.rows, self.rows)
+        else:
+            first = pl.ds(self.n * self.rows + first.start, first.size)
+        return self.ref[(first,) + tuple(idx[1:])]
+
+
+class _Cols:
+    """A ref holding all V columns (h [NT, K, V], U [Tp, V]) seen as one state program's V
+    block of `width` columns from c0, as `state_fwd_lean_kernel` indexes its blocks."""
+
+    def __init__(self, ref, c0, width):
+        self.ref, self.c0, self.width = ref, c0, width
+        self.dtype = ref.dtype
+        self.shape = tuple(ref.shape[:-1]) + (width,)
+
+    def _idx(self, idx):
+        assert idx[-1] == slice(None)
+        return tuple(idx[:-1]) + (pl.ds(self.c0, self.width),)
+
+    def __getitem__(self, idx):
+        return self.ref[self._idx(idx)]
+
+    def __setitem__(self, idx, val):
+        self.ref[self._idx(idx)] = val
+
+
+# Polls before an output program gives up (~1 s): reached only if a state program it waits for
+# never ran, which the grid order excludes; the program then writes NaN rather than hang.
+SPIN_CAP = 1 << 20
+
+
+def _flag(r, idx, add, interpret):
+    """Atomically adds `add` to flag idx and returns its previous value (add 0: a coherent read
+    of another program's count)."""
+    if interpret:
+        return jnp.max(plgpu.atomic_add(r["flags"], (pl.ds(idx, 1),),
+                                        jnp.full((1,), add, jnp.int32)))
+    return plgpu.atomic_add(r["flags"], (idx,), add)
+
+
+def state_out_fwd_kernel(r, cfg: KernelCfg, nt_static: int, n_state: int, heads: int,
+                         vblocks: int, batch: int):
+    """K2 and K2o in one launch: the first n_state programs run the sequential state pass (as
+    `state_fwd_lean_kernel`, grid order (B, H, V / BV), each writing its V block's columns of
+    the whole-V h and U) and count a flag per (b, h, chunk) up once its h and U are stored; the
+    others, chunk-major, each wait until all V blocks counted their chunk's flag and run
+    `output_kernel` on it (all of V), so that the outputs of the first chunks are computed
+    while the state pass walks the later ones instead of after it. The state programs come
+    first in the grid, so they are all placed before any output program (which only ever
+    waits for them); a spin that reaches its cap (a deadlock) writes NaN. Interpret mode runs
+    programs in grid order: every flag is set before it is read."""
+    i = pl.program_id(0)
+    nt = nt_static
+
+    def flag_index(b, h, n):
+        return (b * heads + h) * nt + n
+
+    @pl.when(i < n_state)
+    def _state():
+        b, h, j = i // (heads * vblocks), (i // vblocks) % heads, i % vblocks
+
+        def stored(n):
+            barrier(cfg)            # every thread's stores of chunk n before the release
+            _flag(r, flag_index(b, h, n), 1, cfg.interpret)
+
+        c0 = j * cfg.block_v
+        view = dict(r, h=_Cols(r["h"], c0, cfg.block_v), vn=_Cols(r["vn"], c0, cfg.block_v))
+        state_fwd_lean_kernel(view, cfg, nt, stored=stored)
+
+    @pl.when(i >= n_state)
+    def _output():
+        o = i - n_state
+        h = o % heads
+        b = (o // heads) % batch
+        n = o // (heads * batch)
+        idx = flag_index(b, h, n)
+
+        def cond(s):
+            return jnp.logical_and(s[0] < vblocks, s[1] < SPIN_CAP)
+
+        def poll(s):
+            return _flag(r, idx, 0, cfg.interpret), s[1] + 1
+
+        _, spins = lax.while_loop(cond, poll, (jnp.int32(0), jnp.int32(0)))
+        view = dict(r, h=_AtChunk(r["h"], n), vn=_AtChunk(r["vn"], n, cfg.C))
+        output_kernel(view, cfg)
+
+        @pl.when(spins >= SPIN_CAP)
+        def _poison():
+            r["o"][:, :] = jnp.full(r["o"].shape, jnp.nan, r["o"].dtype)
 
 
 def out_block_k(cfg):
