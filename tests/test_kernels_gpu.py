@@ -139,6 +139,18 @@ def test_channel_overlapped_output(s0):
     check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(overlap_output=True, block_v_overlap=16))
 
 
+def test_channel_overlapped_output_grouped_heads():
+    """The one launch with grouped value heads (HV = 2 H, the default at HV 32 on a GPU): its
+    programs run over the value heads, reading K1's per-value-head outputs."""
+    group = 2
+    args, _ = make(30, gate="channel", K=16, V=32, T_=45, H_=2 * group)
+    q, k = (x[:, :, ::group] for x in args[:2])
+    grouped = [q, k] + list(args[2:])
+    o1, s1 = pallas(*grouped, block_sizes=GpuBlockSizes(overlap_output=True, block_v_overlap=16))
+    o2, s2 = reference(jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2), *args[2:])
+    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5, (rel(o1, o2), rel(s1, s2))
+
+
 @pytest.mark.parametrize("dtype,tol,fuse", [(jnp.float32, 1e-5, True), (jnp.bfloat16, 1e-2, False)])
 def test_channel_fused_pairs_solve(dtype, tol, fuse):
     """KDA with the layout that is not its dtype's default (every other channel test runs the
