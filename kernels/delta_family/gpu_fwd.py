@@ -14,7 +14,6 @@ Labels as in the table of `gpu.py` (C = chunk size; math in `gpu_math.py`):
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -570,6 +569,17 @@ def _flag(r, idx, add, interpret):
     return plgpu.atomic_add(r["flags"], (idx,), add)
 
 
+def state_program(i, heads, vblocks):
+    """(b, h, V block) of state program i of the one K2+K2o launch (grid order B, H, V / BV);
+    the launcher's BlockSpecs and the kernel both decode program ids with it."""
+    return i // (heads * vblocks), (i // vblocks) % heads, i % vblocks
+
+
+def output_program(o, heads, batch):
+    """(chunk, b, h) of output program o (counted from the first one; chunk-major, then B, H)."""
+    return o // (heads * batch), (o // heads) % batch, o % heads
+
+
 def state_out_fwd_kernel(r, cfg: KernelCfg, nt_static: int, n_state: int, heads: int,
                          vblocks: int, batch: int):
     """K2 and K2o in one launch: the first n_state programs run the sequential state pass (as
@@ -589,7 +599,7 @@ def state_out_fwd_kernel(r, cfg: KernelCfg, nt_static: int, n_state: int, heads:
 
     @pl.when(i < n_state)
     def _state():
-        b, h, j = i // (heads * vblocks), (i // vblocks) % heads, i % vblocks
+        b, h, j = state_program(i, heads, vblocks)
 
         def stored(n):
             barrier(cfg)            # every thread's stores of chunk n before the release
@@ -601,10 +611,7 @@ def state_out_fwd_kernel(r, cfg: KernelCfg, nt_static: int, n_state: int, heads:
 
     @pl.when(i >= n_state)
     def _output():
-        o = i - n_state
-        h = o % heads
-        b = (o // heads) % batch
-        n = o // (heads * batch)
+        n, b, h = output_program(i - n_state, heads, batch)
         idx = flag_index(b, h, n)
 
         def cond(s):

@@ -295,7 +295,7 @@ def _state_forward(st: Static, q, k, v, g, s0, offs, r1, save):
     if st.bs.fuse_output:
         return _state_forward_fused(st, q, k, v, g, s0, offs, r1, save)
     if overlaps_output(st, save):
-        return _state_output_overlapped(st, q, k, v, g, s0, r1)
+        return _state_output_overlapped(st, q, v, s0, r1)
     r2 = _state_forward_lean(st, q, k, v, g, s0, offs, r1)
     r2["o"] = _output(st, q, k, v, g, r1, r2)
     return r2
@@ -375,7 +375,7 @@ def _remap(spec, fn):
     return pl.BlockSpec(spec.block_shape, lambda i: spec.index_map(*fn(i)))
 
 
-def _state_output_overlapped(st: Static, q, k, v, g, s0, r1):
+def _state_output_overlapped(st: Static, q, v, s0, r1):
     """K2 ∥ K2o: the state programs (NS, H, V / BV) then the output programs (NT, B, H),
     chunk-major, on one 1-D grid; each input keeps its kernel's BlockSpec (the other role's
     programs see a valid block they never touch); h and U are whole-V blocks per (b, h) that
@@ -389,12 +389,10 @@ def _state_output_overlapped(st: Static, q, k, v, g, s0, r1):
     full, vblk, _, state, _, _ = _seq_specs(st, Tp, NT)
 
     def as_state(i):
-        i = jnp.minimum(i, n_state - 1)
-        return i // (H * VB), (i // VB) % H, i % VB
+        return gpu_fwd.state_program(jnp.minimum(i, n_state - 1), H, VB)
 
-    def as_out(i):
-        o = jnp.maximum(i - n_state, 0)
-        return 0, o // (H * B), (o // H) % B, o % H        # (j, n, b, h)
+    def as_out(i):      # (V block, chunk, b, h): K2o's grid order
+        return (0,) + gpu_fwd.output_program(jnp.maximum(i - n_state, 0), H, B)
 
     def shared(i):      # h and U of (b, h): the state program's, or the output program's
         s_, h_, _ = as_state(i)
