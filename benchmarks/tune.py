@@ -78,7 +78,15 @@ VARIANTS = {
     "bwd_w16": dict(num_warps_bwd=16),
     "bwd_bv16": dict(block_v_bwd=16),
     "bwd_bv64": dict(block_v_bwd=64),
-    "bwd_s2": dict(num_stages_bwd=2),
+    "bwd_s1": dict(num_stages_bwd=1),                     # K4q without pipelined V loads
+    "bwd_s3": dict(num_stages_bwd=3),
+    "bwd_w2": dict(num_warps_bwd=2),
+    "one_k4": dict(split_intra_bwd=False),                # K4 as one kernel (before 2026-11-26)
+    "bwd_bk32": dict(block_k_bwd=32),                     # K4q: K pieces
+    "bwd_bk128": dict(block_k_bwd=128),
+    "wy_w2": dict(num_warps_wy=2),                        # K4w
+    "wy_w8": dict(num_warps_wy=8),
+    "wy_s2": dict(num_stages_wy=2),
     "bwd_bv16_w4": dict(block_v_bwd=16, num_warps_bwd=4),
     "bwd_bv32": dict(block_v_bwd=32),
     "bwd_bv128": dict(block_v_bwd=128),

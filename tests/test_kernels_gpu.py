@@ -109,11 +109,22 @@ def test_channel_grouped_heads_per_token_programs(group, diag_heads):
     against the gate rows): a whole group, part of one (4, 2) or one head (2, 1), (3, 2).
     Against the float32 scan with q and k repeated per group: outputs, final state and every
     gradient (dq, dk summed over the group)."""
-    Hq = 2
-    args, w = make(26, gate="channel", K=16, V=16, T_=37, H_=Hq * group)
+    args, w = make(26, gate="channel", K=16, V=16, T_=37, H_=2 * group)
+    check_grouped(args, w, group, block_sizes=GpuBlockSizes(diag_heads=diag_heads))
+
+
+def test_split_intra_backward_grouped_heads():
+    """K4q's K pieces with grouped value heads: each value head's piece reads its group's q/k
+    head (gradients summed over the group afterwards)."""
+    args, w = make(29, gate="scalar", K=32, V=16, T_=37, H_=4)
+    check_grouped(args, w, 2, block_sizes=GpuBlockSizes(block_k_bwd=16))
+
+
+def check_grouped(args, w, group, **kw):
+    """Grouped value heads (q, k: every group-th head of args) against the float32 scan with q
+    and k repeated per group, at 1e-5: outputs, final state and every gradient."""
     q, k = (x[:, :, ::group] for x in args[:2])       # one q/k head per group
     grouped = [q, k] + list(args[2:])
-    kw = dict(block_sizes=GpuBlockSizes(diag_heads=diag_heads))
 
     def repeated(q, k, *rest):
         return reference(jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2), *rest)
@@ -200,7 +211,8 @@ def test_bf16(gate):
 # diagonal inverses by substitution) and the wide K1 stay selectable; the
 # tests above run the defaults (lean state pass + output kernel, 16-row K1, products).
 LEGACY = GpuBlockSizes(fuse_output=True, wide_intra=False, merge_dots=6,
-                       diag_inverse="substitution", split_intra=False, split_state_bwd=False)
+                       diag_inverse="substitution", split_intra=False, split_state_bwd=False,
+                       split_intra_bwd=False)
 WIDE = GpuBlockSizes(wide_intra=True)
 WIDE_ONE_K1 = GpuBlockSizes(wide_intra=True, split_intra=False)
 
@@ -253,6 +265,29 @@ def test_split_state_backward(gate):
     """fla-style backward split: dU_local = P^T dO in a parallel kernel, a lean reverse pass."""
     args, w = make(15, gate=gate, T_=45)
     check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_state_bwd=True))
+
+
+@pytest.mark.parametrize("gate,strength", [("none", "normal"), ("scalar", "extreme"),
+                                           ("scalar", "near0")])
+def test_split_intra_backward_k_pieces(gate, strength):
+    """The default no / scalar gate backward K4q + K4w with K in two pieces of 16 (each piece
+    forms dP whole, stores its part of dk, dW and its share of the gate gradient, which K4w
+    sums): float32 at 1e-5 with an initial state, odd T and extreme / near-zero gates; bf16 at
+    1e-2 (dW and the partial dk stored in bf16, inter_dtype="input")."""
+    args, w = make(27, gate=gate, K=32, V=32, T_=45, strength=strength)
+    pieces = dict(block_k_bwd=16, block_v_bwd=16)
+    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(**pieces))
+    if strength != "near0":
+        args = [None if a is None else a.astype(jnp.bfloat16) if i < 4 else a
+                for i, a in enumerate(args)]
+        check_all(args, w, 1e-2, chunk_size=32, block_sizes=GpuBlockSizes(**pieces))
+
+
+def test_one_kernel_intra_backward_with_stored_v_new():
+    """split_intra_bwd=False: the one K4 reading U = v_new from the lean state pass (the
+    channel gate's K4; for the scalar gate the layout before 2026-11-26)."""
+    args, w = make(28, gate="scalar", K=32, V=32, T_=45)
+    check_all(args, w, 1e-5, block_sizes=GpuBlockSizes(split_intra_bwd=False))
 
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
@@ -468,6 +503,9 @@ def test_validation_errors():
     with pytest.raises(TypeError, match="`cu_seqlens`"):
         f(q, k, v, beta, g, cu_seqlens=np.array([0.0, T]))
     bad_block_sizes = [("block_v", dict(block_v=24)),
+                       ("block_k_bwd", dict(block_k_bwd=24)),
+                       ("num_warps_wy", dict(num_warps_wy=3)),
+                       ("num_stages_wy", dict(num_stages_wy=0)),
                        ("block_v_state_bwd", dict(block_v_state_bwd=64)),   # > V = 32
                        ("block_v_out", dict(block_v_out=64)),        # > V = 32
                        ("merge_dots", dict(merge_dots=4)),
@@ -537,8 +575,9 @@ def check_lowering(n_max, gate, K, V, dtype, **kw):
                                           ("channel", 128, jnp.bfloat16)])
 def test_triton_lowering(gate, K, dtype):
     # K1 (split in K1a + K1b; for the channel gate K1d, then K1p forming T, then K1b), lean K2,
-    # output, K3 (K3a + lean K3 for the scalar gate), K4 (+ K4d + K4b for the channel gate)
-    check_lowering({"none": 6, "scalar": 7, "channel": 9}[gate], gate, K, K, dtype)
+    # output, K3 (K3a + lean K3 for the scalar gate), K4 (K4q + K4w for the no / scalar gate;
+    # K4 + K4d + K4b for the channel gate)
+    check_lowering({"none": 7, "scalar": 8, "channel": 9}[gate], gate, K, K, dtype)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -550,14 +589,14 @@ def test_triton_lowering_legacy_layout(gate):
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 def test_triton_lowering_split_state_bwd(gate):
     # K3 becomes K3a (dU_local) + the lean reverse pass
-    check_lowering(8 if gate == "channel" else 6, gate, 128, 128, jnp.bfloat16,
+    check_lowering(8 if gate == "channel" else 7, gate, 128, 128, jnp.bfloat16,
                    block_sizes=GpuBlockSizes(split_state_bwd=True, split_intra=False))
 
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 def test_triton_lowering_split_intra(gate):
     # K1 becomes K1a (solve) + K1b (W, U0); for the channel gate K1d + K1p (M, P and T) + K1b
-    check_lowering(9 if gate == "channel" else 6, gate, 128, 128, jnp.bfloat16,
+    check_lowering(9 if gate == "channel" else 7, gate, 128, 128, jnp.bfloat16,
                    block_sizes=GpuBlockSizes(split_intra=True, split_state_bwd=False))
 
 
@@ -588,7 +627,7 @@ def test_triton_lowering_overlapped_output_forward():
 
 
 def test_triton_lowering_varlen_normalize():
-    check_lowering(7, "scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True, normalize=True)
+    check_lowering(8, "scalar", 128, 64, jnp.bfloat16, chunk=32, varlen=True, normalize=True)
 
 
 @pytest.mark.parametrize("gate", GATES)

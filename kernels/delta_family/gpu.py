@@ -38,15 +38,22 @@ otherwise.
   K3    state_bwd_lean_kernel            _state_backward        (NS, H, V/BV3)     split_state_bwd
         state_bwd_kernel                 _state_backward        (NS, H, V/BV3)     otherwise (default:
                                                                                    none, channel)
-  K4    intra_bwd_kernel                 _intra_backward        (NT, B, H)         always (KDA: the
-                                                                                   dense part)
+  K4q   intra_bwd_qk_kernel              _intra_backward_split  (K/BK, NT, B, H)   default: none,
+                                                                                   scalar (the lean
+                                                                                   K2's v_new)
+  K4w   intra_bwd_wy_kernel              _intra_backward_split  (NT, B, H)         after K4q
+  K4    intra_bwd_kernel                 _intra_backward        (NT, B, H)         channel gate (the
+                                                                                   dense part);
+                                                                                   split_intra_bwd=
+                                                                                   False
   K4d   channel_diag_bwd_kernel          _intra_backward        (Tp, H/bh, B)      channel gate (KDA)
   K4b   intra_bwd_channel_kernel         _intra_backward        (NT, B, H)         channel gate (KDA)
 
 The `pallas_call` names (what profilers and benchmarks/tune.py --per-kernel show): K1
 delta_intra_fwd, K1d delta_intra_diag, K1p delta_intra_pairs, K1a delta_intra_solve, K1b
 delta_intra_wu, K2 delta_state_fwd_lean (fused: delta_state_fwd), K2o delta_output, K3a
-delta_du_local, K3 delta_state_bwd_lean / delta_state_bwd, K4 delta_intra_bwd, K4d
+delta_du_local, K3 delta_state_bwd_lean / delta_state_bwd, K4q delta_intra_bwd_qk, K4w
+delta_intra_bwd_wy, K4 delta_intra_bwd, K4d
 delta_intra_bwd_diag, K4b delta_intra_bwd_kda.
 
 What they compute (math in gpu_math.py): K1* the blocked inverse T = (I + diag(beta) A)^-1
@@ -54,8 +61,9 @@ What they compute (math in gpu_math.py): K1* the blocked inverse T = (I + diag(b
 U0 = T Y (+ P for KDA, + the state passes' gated operands with split_intra); K2 the sequential
 recurrence over chunks (h per chunk, U = U0 - W S "v_new", the final state); K2o
 O = (Gam q) h + P U in parallel; K3 the reverse pass (dS per chunk, dU, dS0); K3a dU_local =
-P^T dO in parallel; K4* dq, dk, dv, dbeta, dg per chunk. Forward: K1* -> K2 -> K2o; backward:
-K3a -> K3 -> K4 -> K4d -> K4b. Plain XLA glue here: padding T to a multiple of C and the
+P^T dO in parallel; K4* dq, dk, dv, dbeta, dg per chunk (K4q the state / output side per piece
+of K, K4w the W / U0 side). Forward: K1* -> K2 -> K2o; backward: K3a -> K3 -> K4q -> K4w (KDA:
+K4 -> K4d -> K4b). Plain XLA glue here: padding T to a multiple of C and the
 packed-varlen layout (each sequence starts on a chunk boundary, so no state crosses one).
 
 Why the Pallas *Triton* lowering (`jax.experimental.pallas.triton`) and not Mosaic GPU: it runs

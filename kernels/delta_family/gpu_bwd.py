@@ -5,6 +5,9 @@ Labels as in the table of `gpu.py` (math in `gpu_math.py`):
        state_bwd_lean_kernel     the same with dU_local from K3a (split_state_bwd)
   K3a  du_local_kernel           parallel over chunks and V blocks: dU_local = P^T dO
   K4   intra_bwd_kernel          parallel over chunks: dq, dk, dv, dbeta, dg (KDA: dense part)
+  K4q  intra_bwd_qk_kernel       no / scalar gate, split_intra_bwd: parallel over chunks and
+                                 pieces of K: dq, dk's P and state terms, dW = -dU S^T
+  K4w  intra_bwd_wy_kernel       then parallel over chunks: dv, dbeta, dk, dg (the W / U0 side)
   K4d  channel_diag_bwd_kernel   KDA: diagonal 16x16 blocks' pair terms, one token a program
   K4b  intra_bwd_channel_kernel  KDA: off-diagonal pair terms and the gate's reverse sum
 """
@@ -248,6 +251,156 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         dk = l2n_vjp(load_f32(r["k"], all_), dk)
     r["dk"][:, :] = dk.astype(r["dk"].dtype)
     r["dbeta"][:] = dbeta.astype(r["dbeta"].dtype)
+
+
+def intra_bwd_qk_kernel(r, cfg: KernelCfg):
+    """K4q (no / scalar gate, split_intra_bwd): the state / output side of one chunk for one
+    piece of BK = block_k_bwd columns of K, grid (K / BK, NT, B, H): dq (finished), the P and
+    state terms of dk, dW = -dU S^T and the piece's share of the gate gradient (already
+    reverse-summed). dP = dO U^T contracts V, not K, so every piece forms it whole (as fla's
+    dqkwg). Pieces are whole rows when q and k are normalised in the kernel (the norm and its
+    vjp need them). U = v_new as K2 stored it.
+    """
+    C, BVB, low = cfg.C, cfg.block_v_bwd, cfg.low
+    rr, cc = iota((C, C), 0), iota((C, C), 1)
+    all_ = (slice(None), slice(None))
+    scalar = cfg.gate == "scalar"
+    bk = r["q"].shape[1]
+
+    def v_loop(parts, acc):
+        """One loop over V blocks carrying the accumulators of `parts`: "q" (dO S^T, dO U^T,
+        dU S^T) and / or "k" (U dS'^T and, gated, rowsum(S . dS'))."""
+        def body(jv, acc):
+            vs = pl.ds(jv * BVB, BVB)
+            acc = dict(acc)
+            u = load_dot(r["vn"], (slice(None), vs), cfg)
+            h = load_dot(r["h"], (slice(None), vs), cfg) if "q" in parts or scalar else None
+            if "q" in parts:
+                do = r["do"][:, vs]
+                acc["dq"] = acc["dq"] + mm_nt(do, h, low)
+                acc["dp"] = acc["dp"] + mm_nt(do, u, low)
+                acc["dw"] = acc["dw"] - mm_nt(r["du"][:, vs], h, low)
+            if "k" in parts:
+                dh = load_dot(r["dh"], (slice(None), vs), cfg)
+                acc["dkt"] = acc["dkt"] + mm_nt(u, dh, low)
+                if scalar:
+                    acc["t4"] = acc["t4"] + jnp.sum(h.astype(F32) * dh.astype(F32), axis=1)
+            return acc
+
+        return lax.fori_loop(0, cfg.V // BVB, body, acc)
+
+    zero = jnp.zeros((C, bk), F32)
+    acc_q = dict(dq=zero, dp=jnp.zeros((C, C), F32), dw=zero)
+    acc_k = dict(dkt=zero, t4=jnp.zeros((bk,), F32)) if scalar else dict(dkt=zero)
+    # The scalar gate's [C, C] decays leave no room for U dS'^T's accumulator beside them (255
+    # registers and 256 MB of spills at B4 T4096 H16 D128, 4 warps, H200): a second V loop.
+    acc = v_loop("q", acc_q) if scalar else v_loop("qk", {**acc_q, **acc_k})
+    r["dw"][:, :] = acc["dw"].astype(r["dw"].dtype)
+    dq, dp = acc["dq"], jnp.where(rr >= cc, acc["dp"], 0.0)
+    q_raw = load_f32(r["q"], all_)
+    qs = (l2n(q_raw) if cfg.normalize else q_raw) * cfg.scale
+    k = load_qk(r["k"], all_, cfg, False)
+    if scalar:
+        g = load_f32(r["g"], slice(None))
+        _, _, gam, _, dec = chunk_gates(g, "scalar")
+        d_i = jnp.where(rr >= cc, exp(seg_matrix(g)), 0.0)
+        e2 = dp * (mm_nt(qs, k, low) * jnp.where(rr > cc, d_i, 0.0))
+        dp = dp * d_i
+        dq = dq * gam                                         # dq1
+        dG = jnp.sum(e2, axis=1) - jnp.sum(e2, axis=0) + jnp.sum(qs * dq, axis=1)
+    dq = (dq + mm(dp, k, low)) * cfg.scale
+    if cfg.normalize:
+        dq = l2n_vjp(q_raw, dq)
+    r["dq"][:, :] = dq.astype(r["dq"].dtype)
+    dk = mm_tn(dp, qs, low)
+    if scalar:
+        acc = v_loop("k", acc_k)
+        # dk3: exp(sum_{l > i} g_l), a direct segment sum
+        dkt = acc["dkt"] * exp(jnp.sum(jnp.where(cc > rr, g[None, :], 0.0), axis=1))[:, None]
+        t3 = jnp.sum(k * dkt, axis=1)
+        # term 3 as a direct exclusive prefix sum, term 4 everywhere, this piece's terms 1-2
+        r["dg_p"][:] = (rev_cumsum_vec(dG) + jnp.sum(jnp.where(cc < rr, t3[None, :], 0.0), axis=1)
+                        + dec * jnp.sum(acc["t4"]))
+    else:
+        dkt = acc["dkt"]
+    r["dk_p"][:, :] = (dk + dkt).astype(r["dk_p"].dtype)
+
+
+def intra_bwd_wy_kernel(r, cfg: KernelCfg, k_pieces: int):
+    """K4w (no / scalar gate, split_intra_bwd): the W / U0 side of one chunk, grid (NT, B, H),
+    from K4q's dW and partial dk: dY = T^T dU (-> dv, dbeta) and dY U0^T over V blocks; then
+    over the same `k_pieces` pieces of K as K4q, dx = T^T dW (-> dM, dbeta, dk5) and A = k k^T;
+    then dA (-> dbeta, the gate's terms 5-6) and, over the pieces again, dk = K4q's part + dk5
+    + dk6 (dx formed again rather than kept: a [C, K] float32 tile less in registers). Adds
+    K4q's gate shares and stores dk, dbeta, dg."""
+    C, BVB, low = cfg.C, cfg.block_v_bwd, cfg.low
+    bk = cfg.K // k_pieces
+    rr, cc = iota((C, C), 0), iota((C, C), 1)
+    all_ = (slice(None), slice(None))
+    scalar = cfg.gate == "scalar"
+    beta = load_f32(r["beta"], slice(None))
+
+    def pa(jv, carry):
+        dmy, dbeta = carry
+        vs = pl.ds(jv * BVB, BVB)
+        dy = mm_tn(load_dot(r["tmat"], all_, cfg), load_f32(r["du"], (slice(None), vs)), low)
+        r["dv"][:, vs] = (beta[:, None] * dy).astype(r["dv"].dtype)
+        dbeta = dbeta + jnp.sum(dy * load_f32(r["v"], (slice(None), vs)), axis=1)
+        dmy = dmy + mm_nt(dy, load_dot(r["u0"], (slice(None), vs), cfg), low)
+        return dmy, dbeta
+
+    dmy, dbeta = lax.fori_loop(0, cfg.V // BVB, pa, (jnp.zeros((C, C), F32),
+                                                     jnp.zeros((C,), F32)))
+    if scalar:
+        g = load_f32(r["g"], slice(None))
+        gam = chunk_gates(g, "scalar")[2]
+
+    def piece_dx(p):
+        """(this piece's columns, T^T dW on them, k on them)."""
+        ks = pl.ds(p * bk, bk)
+        dx = mm_tn(load_dot(r["tmat"], all_, cfg), load_dot(r["dw"], (slice(None), ks), cfg), low)
+        return ks, dx, load_qk(r["k"], (slice(None), ks), cfg, False)
+
+    def dm_and_a(p, carry):
+        dxw, a, dbeta, dG = carry
+        ks, dx, k = piece_dx(p)
+        dxw = dxw + mm_nt(dx, r["w"][:, ks], low)
+        a = a + mm_nt(k, k, low)
+        xk = jnp.sum((dx * gam if scalar else dx) * k, axis=1)
+        return dxw, a, dbeta + xk, dG + beta * xk                 # dG: k . dk5
+
+    zc = jnp.zeros((C, C), F32)
+    dxw, a, dbeta, dG = lax.fori_loop(0, k_pieces, dm_and_a, (zc, zc, dbeta,
+                                                                jnp.zeros((C,), F32)))
+    dm = jnp.where(rr > cc, -(dxw + dmy), 0.0)
+    if scalar:
+        d_s = jnp.where(rr > cc, exp(seg_matrix(g)), 0.0)
+        a = a * d_s
+    else:
+        a = jnp.where(rr > cc, a, 0.0)
+    dbeta = dbeta + jnp.sum(dm * a, axis=1)
+    r["dbeta"][:] = dbeta.astype(r["dbeta"].dtype)
+    da = beta[:, None] * dm
+    if scalar:
+        e6 = da * a
+        dG = dG + jnp.sum(e6, axis=1) - jnp.sum(e6, axis=0)
+        da = da * d_s
+        dg = rev_cumsum_vec(dG)
+        for p in range(k_pieces):
+            dg = dg + load_f32(r["dg_p"], (p, slice(None)))
+        r["dg"][:] = dg.astype(r["dg"].dtype)
+
+    def dk_piece(p, _):
+        ks, dx, k = piece_dx(p)
+        dk5 = beta[:, None] * (dx * gam if scalar else dx)
+        dk = (load_f32(r["dk_p"], (slice(None), ks)) + dk5
+              + mm(da, k, low) + mm_tn(da, k, low))                     # + dk5 + dk6
+        if cfg.normalize:
+            dk = l2n_vjp(load_f32(r["k"], all_), dk)
+        r["dk"][:, ks] = dk.astype(r["dk"].dtype)
+        return 0
+
+    lax.fori_loop(0, k_pieces, dk_piece, 0)
 
 
 def channel_diag_bwd_kernel(r, cfg: KernelCfg):

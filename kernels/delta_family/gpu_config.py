@@ -31,11 +31,20 @@ class GpuBlockSizes:
                     head); also K3's unless block_v_state_bwd is given.
     block_v_state_bwd: V block of the reverse state pass K3 (None: block_v when given, else
                     the same heuristic at >= 128 programs).
-    block_v_bwd:    V block of the loop inside K4 (register use).
+    block_v_bwd:    V block of the loop inside K4 (K4q, K4w when split; register use).
     num_warps_intra / num_warps_state / num_warps_bwd: warps of K1 (K1b when split), of K2 and
-                    K3, and of K4.
+                    K3, and of K4 (K4q when split).
     num_stages_intra / num_stages_state / num_stages_bwd: pipeline stages of the same kernels.
-    inter_dtype:    storage of W, U0 between kernels: "input" (bf16 for bf16 inputs) or "float32".
+    split_intra_bwd: no / scalar gate with the lean state pass (fuse_output=False): K4 as K4q,
+                    parallel over chunks and pieces of block_k_bwd columns of K (dq, dk's P and
+                    state terms, dW), then K4w over chunks (the W / U0 side: dv, dbeta, dk,
+                    dg), as fla splits dqkwg and the WY backward. Default True; the channel
+                    gate always runs the one K4 (its K4d / K4b take K4's dense parts).
+    block_k_bwd:    K columns per K4q program (power of two >= 16; whole rows with in-kernel
+                    q/k normalisation).
+    num_warps_wy / num_stages_wy: warps and pipeline stages of K4w.
+    inter_dtype:    storage of W, U0 (and K4q's dW and partial dk) between kernels: "input"
+                    (bf16 for bf16 inputs, as fla stores them) or "float32".
     state_dtype:    storage of the per-chunk states h, dh: "input" (as fla stores h) or "float32".
     fuse_output:    True: K2 also computes O (no K2o); False (default): lean K2, then K2o.
     overlap_output: KDA (channel gate, K1b's gate operands, no packed sequences), forward
@@ -79,7 +88,11 @@ class GpuBlockSizes:
     num_warps_bwd: int | None = None
     num_stages_intra: int | None = None
     num_stages_state: int | None = None
-    num_stages_bwd: int = 1
+    num_stages_bwd: int | None = None
+    split_intra_bwd: bool | None = None
+    block_k_bwd: int | None = None
+    num_warps_wy: int | None = None
+    num_stages_wy: int | None = None
     inter_dtype: str = "input"
     state_dtype: str = "input"
     fuse_output: bool | None = None
@@ -136,19 +149,33 @@ class GpuBlockSizes:
         split_intra = True if self.split_intra is None else self.split_intra
         if low and K <= 128:
             # Three stages fit the state passes' shared memory in bf16 at K <= 128, except
-            # KDA's five [C, K] operands per chunk at V blocks wider than 16: two.
-            stages = 2 if gate == "channel" and bv > 16 else 3
+            # KDA's five [C, K] operands per chunk at V blocks wider than 16, and W stored in
+            # float32 (H200, GDN K3: 238600 bytes asked at three stages, 232448 there): two.
+            stages = 2 if (gate == "channel" and bv > 16) or self.inter_dtype == "float32" else 3
         else:
             stages = 1
         kkt = _given(self.block_k_kkt, 64 if low and split_intra and gate != "channel" else 0)
         fuse_pairs = bool(_given(self.fuse_pairs_solve, low))
+        split_bwd = (True if self.split_intra_bwd is None else self.split_intra_bwd) and \
+            gate != "channel"
         return dataclasses.replace(
             self, block_v=bv, block_v_state_bwd=bv_state_bwd, block_v_bwd=bvb,
             num_warps_intra=_given(self.num_warps_intra, 8 if big else 4),
             # bf16 at K = 256, V = 512 (fla's GatedDeltaNet LM), H100: four warps took the
             # forward from 1.61 to 1.44 ms (K2), to 1.47 (K2o).
             num_warps_state=_given(self.num_warps_state, 8 if K >= 256 and not (low and V >= 512) else 4),
-            num_warps_bwd=_given(self.num_warps_bwd, 4 if gate == "none" else 8),
+            # K4q + K4w: H200, GDN B4 T4096 H16 D128 bf16, fwd+bwd, best of 3 interleaved
+            # rounds: 1.539 ms against 1.896 with the one K4 (DeltaNet 1.030 against 1.273).
+            # K4q on 4 warps, 2 stages, 64 columns a piece (8 warps 1.871 ms against 1.630,
+            # 2 warps 2.252, 1 stage 1.691, 3 stages 1.627, 128 columns 1.782, V blocks of 32
+            # 1.830 against 1.539); K4w on 4 warps (8: 1.867 against 1.539, 2: 2.218 against
+            # 1.630). benchmarks/results/k4_split_h200_2026-11-26.md.
+            num_warps_bwd=_given(self.num_warps_bwd, 4 if gate == "none" or split_bwd else 8),
+            num_stages_bwd=_given(self.num_stages_bwd, 2 if split_bwd and low else 1),
+            split_intra_bwd=True if self.split_intra_bwd is None else self.split_intra_bwd,
+            block_k_bwd=_given(self.block_k_bwd, min(K, 64)),
+            num_warps_wy=_given(self.num_warps_wy, 4),
+            num_stages_wy=_given(self.num_stages_wy, 1),
             num_stages_state=_given(self.num_stages_state, stages),
             fuse_output=False if self.fuse_output is None else self.fuse_output,
             # H200, KDA B4 T4096 H16 D128 bf16, fwd, best of 3-4 interleaved rounds: K2 then
@@ -212,7 +239,12 @@ class GpuBlockSizes:
             if not is_int(b) or b < 16 or b & (b - 1) or V % b:
                 raise ValueError(f"{op}: argument `block_sizes.{name}` must be a power of two >= 16 "
                                  f"dividing V = {V}; got {b!r}.")
-        check_num_warps(op, self, ("num_warps_intra", "num_warps_solve", "num_warps_state", "num_warps_bwd",
+        b = self.block_k_bwd
+        if not is_int(b) or b < 16 or b & (b - 1):
+            raise ValueError(f"{op}: argument `block_sizes.block_k_bwd` must be a power of two "
+                             f">= 16 (K columns per K4q program); got {b!r}.")
+        check_num_warps(op, self, ("num_warps_intra", "num_warps_solve", "num_warps_state",
+                                   "num_warps_bwd", "num_warps_wy",
                                    "num_warps_out", "num_warps_diag", "num_warps_pairs", "num_warps_pairs_bwd"))
         for name in ("block_k_pairs", "block_k_pairs_bwd", "block_k_out", "block_wu",
                      "block_wu_channel"):
@@ -225,7 +257,7 @@ class GpuBlockSizes:
             raise ValueError(f"{op}: argument `block_sizes.diag_heads` must be a power of two >= 1 "
                              f"(heads per diagonal-block program); got {d!r}.")
         for name in ("num_stages_intra", "num_stages_state", "num_stages_bwd", "num_stages_out",
-                     "num_stages_pairs", "num_stages_solve"):
+                     "num_stages_pairs", "num_stages_solve", "num_stages_wy"):
             n = getattr(self, name)
             if not is_int(n) or n < 1:
                 raise ValueError(f"{op}: argument `block_sizes.{name}` must be a positive integer "

@@ -526,8 +526,64 @@ def _state_backward(st: Static, q, k, g, offs, res, do, dsT):
                  interpret=st.interpret, group=st.group, aliases={"du_local": "du"} if split else None)
 
 
+def _splits_intra_backward(st: Static, res):
+    """K4q + K4w instead of one K4: asked for (the default), no / scalar gate, and U = v_new
+    stored by the lean state pass (fuse_output=False)."""
+    return bool(st.bs.split_intra_bwd and st.kc.gate != "channel" and res.get("vn") is not None)
+
+
+def _intra_backward_split(st: Static, q, k, v, beta, g, res, do, r3):
+    """K4q over (K pieces, chunks) then K4w over chunks: dq, dk, dv, dbeta, dg."""
+    kc, bs = st.kc, st.bs
+    B, Tp, H, K = _value_heads(st, q)
+    V, C = kc.V, kc.C
+    NT = Tp // C
+    bk = gm.k_piece(kc, bs.block_k_bwd)
+    NK = K // bk
+    piece = pl.BlockSpec((None, C, None, bk), lambda p, n, b, h: (b, n, h, p))
+    hpiece = pl.BlockSpec((None, None, None, bk, V), lambda p, n, b, h: (b, n, h, p, 0))
+    vrow = pl.BlockSpec((None, C, None, V), lambda p, n, b, h: (b, n, h, 0))
+    vec = pl.BlockSpec((None, C, None), lambda p, n, b, h: (b, n, h))
+    inter = _inter_dtype(bs, q.dtype)
+    ins = [("q", q, piece), ("k", k, piece)]
+    if kc.gate == "scalar":
+        ins.append(("g", g, vec))
+    ins += [("h", res["h"], hpiece), ("dh", r3["dh"], hpiece), ("do", do, vrow),
+            ("du", r3["du"], vrow), ("vn", res["vn"], vrow)]
+    outs = [("dq", _sds((B, Tp, H, K), q.dtype), piece),
+            ("dk_p", _sds((B, Tp, H, K), inter), piece),
+            ("dw", _sds((B, Tp, H, K), inter), piece)]
+    if kc.gate == "scalar":
+        outs.append(("dg_p", _sds((NK, B, Tp, H), F32),
+                     pl.BlockSpec((None, None, C, None), lambda p, n, b, h: (p, b, n, h))))
+    # K pieces vary fastest: the programs of one chunk run together and share dO, U, dU in L2.
+    rq = _call(functools.partial(gpu_bwd.intra_bwd_qk_kernel, cfg=kc), (NK, NT, B, H), ins, outs,
+               name="delta_intra_bwd_qk", num_warps=bs.num_warps_bwd,
+               num_stages=bs.num_stages_bwd, interpret=st.interpret, group=st.group)
+    rows, vec = _chunk_specs(C)
+    ins = [("k", k, rows(K)), ("v", v, rows(V)), ("beta", beta, vec)]
+    if kc.gate == "scalar":
+        ins += [("g", g, vec), ("dg_p", rq["dg_p"],
+                                pl.BlockSpec((NK, None, C, None), lambda n, b, h: (0, b, n, h)))]
+    ins += [("tmat", res["tmat"], rows(C)), ("w", res["w"], rows(K)), ("u0", res["u0"], rows(V)),
+            ("du", r3["du"], rows(V)), ("dw", rq["dw"], rows(K)), ("dk_p", rq["dk_p"], rows(K))]
+    outs = [("dv", _sds(v.shape, v.dtype), rows(V)),
+            ("dk", _sds((B, Tp, H, K), k.dtype), rows(K)),
+            ("dbeta", _sds(beta.shape, beta.dtype), vec)]
+    if kc.gate == "scalar":
+        outs.append(("dg", _sds(g.shape, g.dtype), vec))
+    rw = _call(functools.partial(gpu_bwd.intra_bwd_wy_kernel, cfg=kc, k_pieces=NK), (NT, B, H),
+               ins, outs, name="delta_intra_bwd_wy", num_warps=bs.num_warps_wy,
+               num_stages=bs.num_stages_wy, interpret=st.interpret, group=st.group)
+    rw["dq"] = rq["dq"]
+    return rw
+
+
 def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
-    """K4 (+ K4b for KDA): dq, dk, dv, dbeta, dg of every chunk in parallel."""
+    """K4 (+ K4b for KDA; K4q + K4w when split): dq, dk, dv, dbeta, dg of every chunk in
+    parallel."""
+    if _splits_intra_backward(st, res):
+        return _intra_backward_split(st, q, k, v, beta, g, res, do, r3)
     kc, bs = st.kc, st.bs
     B, Tp, H, K = _value_heads(st, q)
     V, C = kc.V, kc.C
