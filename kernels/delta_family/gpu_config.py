@@ -38,8 +38,9 @@ class GpuBlockSizes:
     split_intra_bwd: no / scalar gate with the lean state pass (fuse_output=False): K4 as K4q,
                     parallel over chunks and pieces of block_k_bwd columns of K (dq, dk's P and
                     state terms, dW), then K4w over chunks (the W / U0 side: dv, dbeta, dk,
-                    dg), as fla splits dqkwg and the WY backward. Default True; the channel
-                    gate always runs the one K4 (its K4d / K4b take K4's dense parts).
+                    dg), as fla splits dqkwg and the WY backward. Default True; `resolve`
+                    turns it off for the channel gate (its K4d / K4b take the one K4's dense
+                    parts) and with fuse_output (K4q reads the lean K2's v_new).
     block_k_bwd:    K columns per K4q program (power of two >= 16; whole rows with in-kernel
                     q/k normalisation).
     num_warps_wy / num_stages_wy: warps and pipeline stages of K4w.
@@ -156,8 +157,9 @@ class GpuBlockSizes:
             stages = 1
         kkt = _given(self.block_k_kkt, 64 if low and split_intra and gate != "channel" else 0)
         fuse_pairs = bool(_given(self.fuse_pairs_solve, low))
-        split_bwd = (True if self.split_intra_bwd is None else self.split_intra_bwd) and \
-            gate != "channel"
+        fuse_output = False if self.fuse_output is None else self.fuse_output
+        split_bwd = ((True if self.split_intra_bwd is None else self.split_intra_bwd)
+                     and gate != "channel" and not fuse_output)
         return dataclasses.replace(
             self, block_v=bv, block_v_state_bwd=bv_state_bwd, block_v_bwd=bvb,
             num_warps_intra=_given(self.num_warps_intra, 8 if big else 4),
@@ -172,12 +174,12 @@ class GpuBlockSizes:
             # 1.630). benchmarks/results/k4_split_h200_2026-11-26.md.
             num_warps_bwd=_given(self.num_warps_bwd, 4 if gate == "none" or split_bwd else 8),
             num_stages_bwd=_given(self.num_stages_bwd, 2 if split_bwd and low else 1),
-            split_intra_bwd=True if self.split_intra_bwd is None else self.split_intra_bwd,
+            split_intra_bwd=split_bwd,
             block_k_bwd=_given(self.block_k_bwd, min(K, 64)),
             num_warps_wy=_given(self.num_warps_wy, 4),
             num_stages_wy=_given(self.num_stages_wy, 1),
             num_stages_state=_given(self.num_stages_state, stages),
-            fuse_output=False if self.fuse_output is None else self.fuse_output,
+            fuse_output=fuse_output,
             # H200, KDA B4 T4096 H16 D128 bf16, fwd, best of 3-4 interleaved rounds: K2 then
             # K2o 0.854-0.858 ms, one launch with V blocks of 64 (128 state programs) 0.832-
             # 0.836; HV 32 (256) 1.615 / 1.613; at 32 programs (B1 H16, V blocks of 16) one

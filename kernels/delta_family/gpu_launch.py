@@ -526,12 +526,6 @@ def _state_backward(st: Static, q, k, g, offs, res, do, dsT):
                  interpret=st.interpret, group=st.group, aliases={"du_local": "du"} if split else None)
 
 
-def _splits_intra_backward(st: Static, res):
-    """K4q + K4w instead of one K4: asked for (the default), no / scalar gate, and U = v_new
-    stored by the lean state pass (fuse_output=False)."""
-    return bool(st.bs.split_intra_bwd and st.kc.gate != "channel" and res.get("vn") is not None)
-
-
 def _intra_backward_split(st: Static, q, k, v, beta, g, res, do, r3):
     """K4q over (K pieces, chunks) then K4w over chunks: dq, dk, dv, dbeta, dg."""
     kc, bs = st.kc, st.bs
@@ -543,11 +537,11 @@ def _intra_backward_split(st: Static, q, k, v, beta, g, res, do, r3):
     piece = pl.BlockSpec((None, C, None, bk), lambda p, n, b, h: (b, n, h, p))
     hpiece = pl.BlockSpec((None, None, None, bk, V), lambda p, n, b, h: (b, n, h, p, 0))
     vrow = pl.BlockSpec((None, C, None, V), lambda p, n, b, h: (b, n, h, 0))
-    vec = pl.BlockSpec((None, C, None), lambda p, n, b, h: (b, n, h))
+    pvec = pl.BlockSpec((None, C, None), lambda p, n, b, h: (b, n, h))
     inter = _inter_dtype(bs, q.dtype)
     ins = [("q", q, piece), ("k", k, piece)]
     if kc.gate == "scalar":
-        ins.append(("g", g, vec))
+        ins.append(("g", g, pvec))
     ins += [("h", res["h"], hpiece), ("dh", r3["dh"], hpiece), ("do", do, vrow),
             ("du", r3["du"], vrow), ("vn", res["vn"], vrow)]
     outs = [("dq", _sds((B, Tp, H, K), q.dtype), piece),
@@ -582,7 +576,7 @@ def _intra_backward_split(st: Static, q, k, v, beta, g, res, do, r3):
 def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
     """K4 (+ K4b for KDA; K4q + K4w when split): dq, dk, dv, dbeta, dg of every chunk in
     parallel."""
-    if _splits_intra_backward(st, res):
+    if st.bs.split_intra_bwd:         # resolved: no / scalar gate, the lean K2's v_new
         return _intra_backward_split(st, q, k, v, beta, g, res, do, r3)
     kc, bs = st.kc, st.bs
     B, Tp, H, K = _value_heads(st, q)
