@@ -228,10 +228,22 @@ def parity_fla(case, B, T, H, D):
                        use_beta_sigmoid_in_kernel=True)[0]), do
 
 
+def _round_order(timers, rnd):
+    """The callables of one round, mode by mode (fused, unfused, fla), with fused and unfused
+    swapped every other round: of two like calls timed in turn, the first runs slower (H200,
+    GDN B4 T4096 fused gate: 2-3 us of the 0.39 ms forward, whichever variant goes first), so
+    each variant goes first in half of the rounds."""
+    variants = ("fused", "unfused", "fla") if rnd % 2 == 0 else ("unfused", "fused", "fla")
+    names = [f"{case}/{v}/{mode}" for case in {n.split("/")[0] for n in timers}
+             for mode in ("fwd", "fwdbwd") for v in variants]
+    return [(n, timers[n]) for n in names if n in timers]
+
+
 def bench_parity(ops, shape, cases, reps, with_fla, res, rounds=1, on_case=None):
     """Ours fused / unfused and fla's call per case, fwd and fwd+bwd. With rounds > 1 every
-    callable of a case is timed once per round, in turn, and the best round is kept (as
-    tune.py), so that a drifting clock or a neighbour's load favours none of them."""
+    callable of a case is timed once per round, in turn (`_round_order`), and the best round is
+    kept (as tune.py), so that a drifting clock, a neighbour's load or the position in the round
+    favours none of them."""
     import jax
     B, T, H, D = shape
     key = "x".join(map(str, shape))
@@ -260,8 +272,8 @@ def bench_parity(ops, shape, cases, reps, with_fla, res, rounds=1, on_case=None)
             for mode in ("fwd", "fwdbwd"):
                 call = f if mode == "fwd" else (lambda: f().backward(fdo))
                 timers[f"{case}/fla/{mode}"] = lambda call=call: min(time_torch(call, reps))
-        for _ in range(rounds):
-            for name, timer in timers.items():
+        for rnd in range(rounds):
+            for name, timer in _round_order(timers, rnd):
                 try:
                     t = timer()
                 except Exception as e:  # noqa: BLE001

@@ -292,3 +292,76 @@ def test_gpu_fused_gate_grouped_heads(op, dtype, tol):
             check(fused_fn(op, "pallas", chunk_size=64), unfused_fn(op), x, tol=tol)
     finally:
         K, V = saved
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU kernels' own activation (use_gate_in_kernel on the scalar gate, beta logits): a primal
+# call's kernels activate g and beta on load in every layout; a differentiated call activates
+# them once in XLA and its backward kernels read them
+
+
+@pytest.mark.parametrize("layout", ["one_k1_fused_output_one_k4", "unsplit_k1"])
+def test_gpu_kernels_activate_on_load(layout):
+    """chunk_delta_family_gpu with the raw gate, A_log, dt_bias and beta logits against the same
+    kernels (same layout) fed the XLA-activated gate and beta: outputs, final state and every
+    gradient (raw g, A_log, dt_bias, beta logits included) within 1e-5, odd T (padded with a raw
+    -inf gate), an initial state, grouped value heads. The layouts where K1 / K2 / K2o read g
+    themselves (the default, where K1b stores the cumulative gate, runs in the tests above)."""
+    from atlas_jax.kernels.delta_family.gpu import GpuBlockSizes, chunk_delta_family_gpu
+    bs = {"one_k1_fused_output_one_k4": GpuBlockSizes(
+              fuse_output=True, split_intra=False, split_state_bwd=False, split_intra_bwd=False),
+          "unsplit_k1": GpuBlockSizes(split_intra=False)}[layout]
+    x = make(12, "gated_delta_rule")
+    s0 = jnp.swapaxes(x["s0"], -1, -2)
+
+    def kernel(fused):
+        def fn(q, k, v, beta, g, A_log, dt_bias, s0):
+            kw = dict(scale=0.25, initial_state=s0, output_final_state=True, chunk_size=16,
+                      interpret=True, block_sizes=bs)
+            if fused:
+                return chunk_delta_family_gpu(q, k, v, beta, g, use_gate_in_kernel=True,
+                                              A_log=A_log, dt_bias=dt_bias,
+                                              use_beta_sigmoid_in_kernel=True, **kw)
+            g = -jnp.exp(A_log) * jax.nn.softplus(g + dt_bias)
+            return chunk_delta_family_gpu(q, k, v, jax.nn.sigmoid(beta), g, **kw)
+        return fn
+
+    check(kernel(True), kernel(False), dict(x, s0=s0))
+
+
+def test_gpu_kernels_fused_gate_lowering():
+    """The CUDA lowering (no GPU needed) with the fused gate and beta logits: the same Triton
+    kernels as the activated call, and the forward has no activation outside them (no softplus's
+    log1p, no sigmoid in the exported program)."""
+    import re
+    from jax import export
+    from atlas_jax.kernels.delta_family.gpu import chunk_delta_family_gpu
+    x = make(13, "gated_delta_rule", t=128)
+    q, k, v = (x[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
+    q, k = (jnp.pad(a, [(0, 0)] * 3 + [(0, 112)]) for a in (q, k))      # K = 128 on a GPU
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, 96)])
+
+    def lower(fused, grad):
+        def fwd(q, k, v, beta, g, A_log, dt_bias):
+            kw = dict(scale=0.1, output_final_state=True, chunk_size=64, interpret=False)
+            if fused:
+                return chunk_delta_family_gpu(q, k, v, beta, g, use_gate_in_kernel=True,
+                                              A_log=A_log, dt_bias=dt_bias,
+                                              use_beta_sigmoid_in_kernel=True, **kw)
+            g = -jnp.exp(A_log) * jax.nn.softplus(g + dt_bias)
+            return chunk_delta_family_gpu(q, k, v, jax.nn.sigmoid(beta), g, **kw)
+
+        def loss(*a):
+            o, s = fwd(*a)
+            return jnp.sum(o.astype(f32)) + jnp.sum(s)
+        fn = jax.value_and_grad(loss, argnums=tuple(range(7))) if grad else fwd
+        return export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(q, k, v, x["beta"], x["g"], x["A_log"], x["dt_bias"]).mlir_module()
+
+    for grad in (False, True):
+        fused, unfused = lower(True, grad), lower(False, grad)
+        assert fused.count("xla.gpu.triton") == unfused.count("xla.gpu.triton") >= 4
+    assert not re.search(r"log_plus_one|logistic", lower(True, False))
+    assert re.search(r"log_plus_one", lower(False, False))

@@ -78,7 +78,10 @@ final-state cotangent), bf16 or float32 inputs (float32 accumulation, float32 so
 key head dims support.GPU_HEAD_DIMS and value head dims support.GPU_VALUE_HEAD_DIMS (up to 512:
 every kernel tiles V, by block_v, block_v_out, block_v_bwd or block_wu) on GPU (and
 support.INTERPRET_HEAD_DIMS in interpret mode), any
-T, chunk sizes support.CHUNK_SIZES, `cu_seqlens` (B = 1 packed), in-kernel L2 normalisation.
+T, chunk sizes support.CHUNK_SIZES, `cu_seqlens` (B = 1 packed), in-kernel L2 normalisation,
+fla's fused scalar gate and beta logits (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`:
+the forward kernels activate them on load; `gpu_launch._activated_inputs` says where a
+differentiated call does).
 """
 
 from __future__ import annotations
@@ -161,34 +164,41 @@ def _varlen_maps(cu, T, C):
     return src, dst, offs, nta
 
 
-def _gather_tokens(x, src):
-    """x [1, T, ...] -> [1, len(src), ...] with zeros where src < 0."""
+def _gather_tokens(x, src, fill=0.0):
+    """x [1, T, ...] -> [1, len(src), ...] with `fill` where src < 0."""
     y = jnp.take(x[0], jnp.maximum(src, 0), axis=0)
     mask = (src >= 0).reshape((-1,) + (1,) * (y.ndim - 1))
-    return jnp.where(mask, y, jnp.zeros((), y.dtype))[None]
+    return jnp.where(mask, y, jnp.asarray(fill, y.dtype))[None]
 
 
 @functools.partial(jax.jit, static_argnames=("st", "want_final"))
-def _run(st, want_final, q, k, v, beta, g, s0, cu):
+def _run(st, want_final, q, k, v, beta, g, s0, cu, A_log=None, dt_bias=None):
     kc = st.kc
     B, T, H, K = q.shape
     C = kc.C
     s0 = None if s0 is None else s0.astype(F32)
+    # A raw gate (kc.gate_act) pads with -inf, which activates to exactly 0: no decay, as the
+    # activated gate's 0 padding.
+    g_fill = -jnp.inf if kc.gate_act else 0.0
     offs = None
     if kc.varlen:
         src, dst, offs, _ = _varlen_maps(cu, T, C)
         tok = functools.partial(_gather_tokens, src=src)
         qp, kp, vp, bp = tok(q), tok(k), tok(v), tok(beta)
-        gp = None if g is None else tok(g)
+        gp = None if g is None else tok(g, fill=g_fill)
     else:
         pad = (-T) % C
         if pad:
-            def padt(x):
-                return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            def padt(x, fill=0.0):
+                return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
+                               constant_values=fill)
             qp, kp, vp, bp = padt(q), padt(k), padt(v), padt(beta)
-            gp = None if g is None else padt(g)
+            gp = None if g is None else padt(g, g_fill)
         else:
             qp, kp, vp, bp, gp = q, k, v, beta, g
+    if kc.gate_act:
+        bias = jnp.zeros_like(A_log) if dt_bias is None else dt_bias
+        gp = launch.RawGate(gp, A_log, bias)
     o, sT = launch.core(st, qp, kp, vp, bp, gp, s0, offs)
     if kc.varlen:
         o = jnp.take(o[0], dst, axis=0)[None]
@@ -198,20 +208,32 @@ def _run(st, want_final, q, k, v, beta, g, s0, cu):
 
 
 def prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
-            normalize_qk, interpret, block_sizes):
+            normalize_qk, interpret, block_sizes, *, use_gate_in_kernel=False, A_log=None,
+            dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
     """Validated arrays and the static description (launch.Static) of one call; also what
-    benchmarks/tune.py uses to time each kernel alone."""
+    benchmarks/tune.py uses to time each kernel alone. Returns (q, k, v, beta, g, s0, cu, st,
+    A_log, dt_bias)."""
     if interpret is None:
         interpret = default_interpret()
     interpret = bool(interpret)
     (q, k, v, beta, g, s0, cu, call, bs) = _validate(
         q, k, v, beta, g, initial_state, chunk_size, cu_seqlens, interpret, block_sizes)
+    A_log, dt_bias = support.check_fla_args(
+        _FN, call, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    for name, on in (("use_gate_in_kernel", use_gate_in_kernel),
+                     ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)):
+        if on and call.gate == "channel":
+            raise ValueError(f"{_FN}: argument `{name}=True` takes no gate or the scalar gate g "
+                             f"[B, T, HV]; with the channel gate [B, T, HV, K] activate outside "
+                             f"(atlas_jax.ops.kda does, with the same arguments).")
     B, T, H, K = q.shape
     V = v.shape[-1]
     support.check_scale(_FN, scale, static=True)
     gate = "none" if g is None else ("scalar" if g.ndim == 3 else "channel")
     if beta is None:
         beta = jnp.ones((B, T, call.HV), q.dtype)
+    beta_act = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0.0
     kc = gm.KernelCfg(C=int(chunk_size), K=K, V=V, gate=gate, low=q.dtype == jnp.bfloat16,
                       scale=float(scale), normalize=bool(normalize_qk), block_v=bs.block_v,
                       block_v_bwd=bs.block_v_bwd, has_s0=s0 is not None,
@@ -224,9 +246,10 @@ def prepare(q, k, v, beta, g, scale, initial_state, output_final_state, chunk_si
                       fuse_solve=gate == "channel" and bool(bs.fuse_pairs_solve),
                       block_k_out=bs.block_k_out, block_wu=bs.block_wu,
                       block_wu_channel=bs.block_wu_channel,
-                      block_kkt=int(bs.block_k_kkt))
+                      block_kkt=int(bs.block_k_kkt), gate_act=bool(use_gate_in_kernel),
+                      beta_act=beta_act)
     st = launch.Static(kc=kc, bs=bs, interpret=interpret, n_seq=call.n_states, group=call.group)
-    return q, k, v, beta, g, s0, cu, st
+    return q, k, v, beta, g, s0, cu, st, A_log, dt_bias
 
 
 def default_interpret():
@@ -236,7 +259,9 @@ def default_interpret():
 
 def chunk_delta_family_gpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=None,
                            output_final_state=False, chunk_size=64, cu_seqlens=None,
-                           normalize_qk=False, interpret=None, block_sizes=None):
+                           normalize_qk=False, interpret=None, block_sizes=None,
+                           use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
     """Exact chunked delta rule / gated delta rule / KDA as Pallas GPU kernels (custom VJP).
 
     Args:
@@ -256,11 +281,19 @@ def chunk_delta_family_gpu(q, k, v, beta, g=None, *, scale=1.0, initial_state=No
       normalize_qk: L2-normalise q and k inside the kernels (x / sqrt(sum x^2 + L2NORM_EPS)).
       interpret: run the kernels in Pallas interpret mode; None: on CPU only.
       block_sizes: GpuBlockSizes (tiling, warps, storage dtypes), None for defaults.
+      use_gate_in_kernel, A_log, dt_bias: fla's fused scalar gate: g is the raw input and the
+        kernels activate it on load, g = -exp(A_log) softplus(g + dt_bias) (A_log [HV],
+        dt_bias [HV] or None); the activated gate is never stored, the backward recomputes it.
+      use_beta_sigmoid_in_kernel, allow_neg_eigval: beta holds logits, activated on load as
+        sigmoid(beta) (2 sigmoid(beta) with allow_neg_eigval).
+      Gradients flow to the raw g, A_log, dt_bias and beta logits.
 
     Returns:
       (o [B, T, HV, V] in v.dtype, final state [B or N, HV, K, V] float32 or None).
     """
-    q, k, v, beta, g, s0, cu, st = prepare(q, k, v, beta, g, scale, initial_state,
-                                           output_final_state, chunk_size, cu_seqlens,
-                                           normalize_qk, interpret, block_sizes)
-    return _run(st, bool(output_final_state), q, k, v, beta, g, s0, cu)
+    q, k, v, beta, g, s0, cu, st, A_log, dt_bias = prepare(
+        q, k, v, beta, g, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
+        normalize_qk, interpret, block_sizes, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval)
+    return _run(st, bool(output_final_state), q, k, v, beta, g, s0, cu, A_log, dt_bias)

@@ -22,8 +22,9 @@ from jax.experimental.pallas import triton as plgpu
 from atlas_jax.kernels.delta_family.gpu_math import (
     BF16, F32, KernelCfg, SUB, block_rows, channel_factors, chunk_cumulative_gate, chunk_gates,
     chunk_p, chunk_range, diag_pairs, exp, gate_blocks, gated_chunk, inv_unit_lower_multi,
-    inv_unit_lower_products, iota, k_piece, load_dot, load_f32, load_qk, mm, mm_nt, mm_tn,
-    pair_factors, qk_operand, qk_piece, scalar_chunk_gates, scalar_decay, token_rows)
+    inv_unit_lower_products, iota, k_piece, load_beta, load_dot, load_f32, load_gate, load_qk,
+    mm, mm_nt, mm_tn, pair_factors, qk_operand, qk_piece, scalar_chunk_gates, scalar_decay,
+    token_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
     nb = C // SUB
     all_ = (slice(None), slice(None))
     wide_a = cfg.wide and cfg.gate != "channel"
-    bs = [load_f32(r["beta"], pl.ds(b * SUB, SUB)) for b in range(nb)]
+    bs = [load_beta(r, cfg, pl.ds(b * SUB, SUB)) for b in range(nb)]
 
     P = {}
     # The channel gate's split solve finds M = diag(beta) A in the "m" buffer (from K1d, K1p).
@@ -77,13 +78,13 @@ def intra_fwd_kernel(r, cfg: KernelCfg, store_t: bool, part: str = "all"):
             k = load_qk(r["k"], all_, cfg, False)
             a = mm_nt(k, k, low)
             if cfg.gate == "scalar":
-                a = a * scalar_decay(jnp.cumsum(load_f32(r["g"], slice(None))), False)
+                a = a * scalar_decay(jnp.cumsum(load_gate(r, cfg, slice(None))), False)
             else:
                 a = jnp.where(iota((C, C), 0) > iota((C, C), 1), a, 0.0)
             # The split solve has a float32 scratch buffer (its T output may be bf16); the
             # one-kernel K1 uses its float32 T buffer.
             src = r["ascr"] if "ascr" in r else r["tmat"]
-            src[:, :] = load_f32(r["beta"], slice(None))[:, None] * a
+            src[:, :] = load_beta(r, cfg, slice(None))[:, None] * a
             barrier(cfg)
         M = {(i, j): load_f32(src, (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
              for i in range(nb) for j in range(i + 1)}
@@ -246,10 +247,10 @@ def wu_from_t(r, cfg: KernelCfg):
         return
     all_ = (slice(None), slice(None))
     t = load_dot(r["tmat"], all_, cfg)
-    beta = load_f32(r["beta"], slice(None))[:, None]
+    beta = load_beta(r, cfg, slice(None))[:, None]
     x = beta * load_qk(r["k"], all_, cfg, False)
     if cfg.gate == "scalar":
-        G = jnp.cumsum(load_f32(r["g"], slice(None)))
+        G = jnp.cumsum(load_gate(r, cfg, slice(None)))
         x = x * exp(G)[:, None]
         if cfg.pre_gates:
             r["gcum"][:] = G
@@ -271,7 +272,7 @@ def _wu_channel_pieces(r, cfg: KernelCfg):
     (its cumulative gate, Gam k, Gam q, exp(G_C - G) k, exp(G_C) and W's columns), and the
     pipeliner overlaps the next piece's loads with this one's dot."""
     t = load_dot(r["tmat"], (slice(None), slice(None)), cfg)
-    beta = load_f32(r["beta"], slice(None))[:, None]
+    beta = load_beta(r, cfg, slice(None))[:, None]
     bw = k_piece(cfg, cfg.block_wu_channel)
 
     def w_piece(i, carry):
@@ -303,11 +304,11 @@ def _wu_columns(r, cfg: KernelCfg):
     the pipeliner can overlap with the next piece's loads)."""
     all_ = (slice(None), slice(None))
     t = load_f32(r["tmat"], all_)
-    beta = load_f32(r["beta"], slice(None))
+    beta = load_beta(r, cfg, slice(None))
     tu = t * beta[None, :]
     tw = tu
     if cfg.gate == "scalar":
-        G = jnp.cumsum(load_f32(r["g"], slice(None)))
+        G = jnp.cumsum(load_gate(r, cfg, slice(None)))
         tw = tu * exp(G)[None, :]
         if cfg.pre_gates:
             r["gcum"][:] = G
@@ -345,7 +346,7 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     qi, ki = q_(i), k_(i)         # [BH, K], or [1, K] shared by a group of BH value heads
     nh = r["m"].shape[0]
     cols = iota((nh, SUB), 1)
-    beta_i = load_f32(r["beta"], (i, slice(None)))
+    beta_i = load_beta(r, cfg, (i, slice(None)))
     # Each pair's value goes straight to its column (as fla's kernel stores it) rather than
     # into a [BH, 16] tile, which broadcast every reduced row across a layout change per step
     # (H100, B1 T16384 H16 D128 bf16: 0.34 -> 0.29 ms). The columns no pair reaches (M: j >= i;
@@ -409,7 +410,7 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
     acc = lax.fori_loop(0, cfg.K // bk, piece, tuple((zero, zero) for _ in pairs))
     M, P = {}, {}
     for (i, j), (a, pq) in zip(pairs, acc):
-        M[i, j] = load_f32(r["beta"], pl.ds(i * SUB, SUB))[:, None] * a
+        M[i, j] = load_beta(r, cfg, pl.ds(i * SUB, SUB))[:, None] * a
         P[i, j] = pq
     if cfg.fuse_solve:
         # As fla's inter + solve kernel: the inverse T from the blocks in registers and K1d's
@@ -440,7 +441,8 @@ def _load_chunk(r, cfg, sl):
     k = load_qk(r["k"], (sl, slice(None)), cfg, False)
     if cfg.gate == "none":
         return q, k, None, None, None, None
-    g = load_f32(r["g"], sl if cfg.gate == "scalar" else (sl, slice(None)))
+    g = (load_gate(r, cfg, sl) if cfg.gate == "scalar"
+         else load_f32(r["g"], (sl, slice(None))))
     G, _, gam, kdec, dec = chunk_gates(g, cfg.gate)
     return q, k, G, gam, kdec, dec
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,23 @@ class Static:
     interpret: bool
     n_seq: int
     group: int = 1
+
+
+class RawGate(NamedTuple):
+    """fla's fused scalar gate (use_gate_in_kernel): the raw input g [B, Tp, HV] (padding
+    -inf), A_log [HV] and dt_bias [HV] (float32); the kernels that read g activate it on load
+    (`gpu_math.load_gate`, cfg.gate_act). Its shape and dtype are the activated gate's."""
+    g: jax.Array
+    A_log: jax.Array
+    dt_bias: jax.Array
+
+    @property
+    def shape(self):
+        return self.g.shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(F32)
 
 
 def _value_heads(st, q):
@@ -66,6 +84,7 @@ def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret, alia
     have H = HV / group heads and are shared by `group` consecutive value heads."""
     if group > 1:
         ins = [(n, a, _shared_head(sp, group) if n in ("q", "k") else sp) for n, a, sp in ins]
+    ins = [x for n, a, sp in ins for x in _expand_raw_gate(n, a, sp)]
     names = [n for n, _, _ in ins] + [n for n, _, _ in outs]
     in_index = {n: i for i, (n, _, _) in enumerate(ins)}
     out_index = {n: i for i, (n, _, _) in enumerate(outs)}
@@ -85,6 +104,16 @@ def _call(body, grid, ins, outs, *, name, num_warps, num_stages, interpret, alia
         input_output_aliases={in_index[a]: out_index[b] for a, b in (aliases or {}).items()},
     )(*[a for _, a, _ in ins])
     return dict(zip([n for n, _, _ in outs], res))
+
+
+def _expand_raw_gate(name, arr, spec):
+    """An input as [(name, array, spec)]; a RawGate g becomes g plus its head's A_log and dt_bias
+    as [] blocks, the head read off g's own index map (g's block index is (b, t, head[, 0]))."""
+    if not isinstance(arr, RawGate):
+        return [(name, arr, spec)]
+    index_map = spec.index_map
+    head = pl.BlockSpec((None,), lambda *idx: (index_map(*idx)[2],))
+    return [(name, arr.g, spec), ("A_log", arr.A_log, head), ("dt_bias", arr.dt_bias, head)]
 
 
 def _sds(shape, dtype):
@@ -645,6 +674,26 @@ def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
     return r4
 
 
+def _activated_inputs(st: Static, beta, g):
+    """(st, beta, g) with the gate and beta activated here, in XLA over [B, Tp, HV], and the
+    kernels' own activations off: the forward of a differentiated call, whose backward kernels
+    read them again. A primal call activates in its kernels (no XLA pass; H200, GDN B4 T4096
+    H16 D128 bf16, kernel time 372 / 368 us against 378 / 371 with the XLA pass), but the
+    backward's kernels are not where to recompute them: on load in the spill-bound K4q / K4w
+    (538 / 402 us against 525 / 385), stored by K1b (K1b 92 -> 100 us) or an XLA pass in the
+    backward (fwd+bwd 1.587 against 1.574 ms with the activations kept) all cost more than
+    keeping them."""
+    kc = st.kc
+    if not (kc.gate_act or kc.beta_act):
+        return st, beta, g
+    if kc.gate_act:
+        g = support.fused_gate(g.g, g.A_log, g.dt_bias)
+    if kc.beta_act:
+        beta = kc.beta_act * jax.nn.sigmoid(beta.astype(F32))
+    kc = dataclasses.replace(kc, gate_act=False, beta_act=0.0)
+    return dataclasses.replace(st, kc=kc), beta, g
+
+
 def _backward(st: Static, q, k, v, beta, g, s0, offs, res, do, dsT):
     r3 = _state_backward(st, q, k, g, offs, res, do, dsT)
     r4 = _intra_backward(st, q, k, v, beta, g, res, do, r3)
@@ -670,19 +719,35 @@ def core(st, q, k, v, beta, g, s0, offs):
 
 
 def _core_fwd(st, q, k, v, beta, g, s0, offs):
-    o, sT, res = _forward(st, q, k, v, beta, g, s0, offs, save=True)
+    st_act, beta_act, g_act = _activated_inputs(st, beta, g)
+    o, sT, res = _forward(st_act, q, k, v, beta_act, g_act, s0, offs, save=True)
     # Named so that a remat policy can keep them instead of rerunning the forward kernels in the
     # backward (see support.name_residuals).
     res = support.name_residuals(res)
-    return (o, sT), (q, k, v, beta, g, s0, offs, res)
+    return (o, sT), (q, k, v, beta, g, beta_act, g_act, s0, offs, res)
+
+
+def _raw_cotangents(kc, beta, g, beta_act, g_act, dbeta, dg):
+    """The cotangents of the raw inputs (cfg.beta_act: beta_act = s sigmoid(beta); a RawGate:
+    g_act = -exp(A_log) softplus(g + dt_bias)) from those of the activated values the backward
+    kernels read, in XLA over [B, Tp, HV]."""
+    if kc.beta_act:
+        dbeta = (dbeta * beta_act * (1.0 - beta_act / kc.beta_act)).astype(beta.dtype)
+    if isinstance(g, RawGate):
+        dx = dg * -jnp.exp(g.A_log) * jax.nn.sigmoid(g.g.astype(F32) + g.dt_bias)
+        dg = RawGate(dx.astype(g.g.dtype), jnp.sum(dg * g_act, axis=(0, 1)),
+                     jnp.sum(dx, axis=(0, 1)))
+    return dbeta, dg
 
 
 def _core_bwd(st, saved, cts):
-    q, k, v, beta, g, s0, offs, res = saved
+    q, k, v, beta, g, beta_act, g_act, s0, offs, res = saved
     do, dsT = cts
     dsT = dsT.astype(F32) if st.kc.has_dsT else None
-    dq, dk, dv, dbeta, dg, ds0 = _backward(st, q, k, v, beta, g, s0, offs, res,
+    st_act = dataclasses.replace(st, kc=dataclasses.replace(st.kc, gate_act=False, beta_act=0.0))
+    dq, dk, dv, dbeta, dg, ds0 = _backward(st_act, q, k, v, beta_act, g_act, s0, offs, res,
                                            do.astype(v.dtype), dsT)
+    dbeta, dg = _raw_cotangents(st.kc, beta, g, beta_act, g_act, dbeta, dg)
     return dq, dk, dv, dbeta, dg, ds0, None
 
 

@@ -98,6 +98,10 @@ class KernelCfg:
     block_k_out: int = 64        # K columns per piece of the output kernel's loop
     block_wu: int = 64           # columns per piece of K1b's W = T X, U0 = T Y (scalar/no gate)
     block_wu_channel: int = 64   # the same for the channel gate (gate operands, W, U0)
+    gate_act: bool = False       # scalar gate: r["g"] is fla's raw gate input, activated on
+    #                              load (`load_gate`) with the head's r["A_log"], r["dt_bias"]
+    beta_act: float = 0.0        # > 0: r["beta"] holds logits, beta = beta_act * sigmoid(.)
+    #                              (`load_beta`; 2 is fla's allow_neg_eigval)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,6 +300,30 @@ def load_f32(ref, idx):
     return ref[idx].astype(F32)
 
 
+def softplus(x):
+    """log(1 + e^x) in float32, as jax.nn.softplus; 0 at x = -inf (a padded raw gate)."""
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def load_gate(r, cfg, idx):
+    """The scalar gate g (float32) at idx. cfg.gate_act: fla's fused gate, from the raw input
+    and the program's head's [] blocks: g = -exp(A_log) softplus(g_raw + dt_bias), so the
+    activated [B, T, H] gate is never written to memory; a raw -inf (padding) gives 0."""
+    g = load_f32(r["g"], idx)
+    if cfg.gate_act:
+        g = -jnp.exp(load_f32(r["A_log"], ())) * softplus(g + load_f32(r["dt_bias"], ()))
+    return g
+
+
+def load_beta(r, cfg, idx):
+    """beta (float32) at idx: as stored, or cfg.beta_act * sigmoid(logits) (fla's
+    use_beta_sigmoid_in_kernel, times 2 with allow_neg_eigval)."""
+    b = load_f32(r["beta"], idx)
+    if cfg.beta_act:
+        b = cfg.beta_act / (1.0 + jnp.exp(-b))
+    return b
+
+
 def load_dot(ref, idx, cfg):
     """A dot operand as stored (bf16 for bf16 inputs; float32 values for float32 inputs, whose
     dots split them exactly). A load that feeds a dot unchanged is staged into shared memory by
@@ -370,7 +398,7 @@ def gate_blocks(r, cfg, nb):
     for b in range(nb):
         sl = pl.ds(b * SUB, SUB)
         if cfg.gate == "scalar":
-            g = load_f32(r["g"], sl)
+            g = load_gate(r, cfg, sl)
             G = jnp.cumsum(g)
         else:
             g = load_f32(r["g"], (sl, slice(None)))
@@ -433,7 +461,7 @@ def scalar_chunk_gates(r, cfg, sl, n):
     if cfg.pre_gates:
         return (load_f32(r["gcum"], sl),
                 load_f32(r["gcum"], pl.ds(n * cfg.C + cfg.C - 1, 1))[None, :])
-    G = jnp.cumsum(load_f32(r["g"], sl))
+    G = jnp.cumsum(load_gate(r, cfg, sl))
     return G, last(G)
 
 
@@ -527,7 +555,7 @@ def chunk_cumulative_gate(r, cfg):
         return None
     if cfg.pre_gates:
         return load_f32(r["gcum"], slice(None))
-    return jnp.cumsum(load_f32(r["g"], slice(None)))
+    return jnp.cumsum(load_gate(r, cfg, slice(None)))
 
 
 def chunk_p(r, cfg, G):

@@ -74,17 +74,18 @@ def _l2norm(x):
 
 
 def _execute(impl, q, k, v, beta, g, *, delta, scale, initial_state, output_final_state,
-             chunk_size, cu_seqlens=None, normalize_qk=False):
+             chunk_size, cu_seqlens=None, normalize_qk=False, **in_kernel):
     """Runs a validated call with a chosen impl ("recurrent", "chunk" or "pallas"). Grouped
     value heads (v with HV = G * H heads): the kernels read q/k head i // G for value head i;
-    the XLA forms repeat q and k per group (autodiff sums their gradients over the group)."""
+    the XLA forms repeat q and k per group (autodiff sums their gradients over the group).
+    in_kernel: fla's activation arguments for the GPU kernels (impl "pallas" only)."""
     group = v.shape[2] // q.shape[2]
     if group > 1 and impl != "pallas":
         q, k = jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)
     if impl == "pallas":
         return _pallas_kernel()(q, k, v, beta, g, scale=float(scale), initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=int(chunk_size),
-                                cu_seqlens=cu_seqlens, normalize_qk=normalize_qk)
+                                cu_seqlens=cu_seqlens, normalize_qk=normalize_qk, **in_kernel)
     if normalize_qk:
         q, k = _l2norm(q), _l2norm(k)
     if cu_seqlens is not None:
@@ -190,8 +191,10 @@ def run_delta_family(q, k, v, beta, g=None, *, delta: bool = True, scale=None,
         inside the kernel for impl="pallas".
       use_gate_in_kernel, A_log, dt_bias: fla's fused gate: g is the raw input and the
         log-decay is -exp(A_log) * softplus(g + dt_bias) (A_log [HV]; dt_bias None, [HV] for
-        a scalar gate, [HV * K] for a channel gate), computed in float32 inside the op;
-        gradients reach g, A_log and dt_bias.
+        a scalar gate, [HV * K] for a channel gate), computed in float32 inside the op (the
+        GPU kernels of a scalar gate activate it as they load it in a primal call; otherwise one
+        XLA pass, which a differentiated call keeps for its backward kernels); gradients reach
+        g, A_log and dt_bias.
       safe_gate, lower_bound (channel gate): with use_gate_in_kernel and a lower_bound, the
         log-decay is lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), in [lower_bound, 0)
         (A_log may then be None: exp(A_log) = 1); safe_gate=True needs lower_bound in
@@ -248,7 +251,16 @@ def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_s
         op, call, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         safe_gate=safe_gate, lower_bound=lower_bound)
-    if use_gate_in_kernel or use_beta_sigmoid_in_kernel:
+    in_kernel = {}
+    if (use_gate_in_kernel or use_beta_sigmoid_in_kernel) and impl == "pallas" \
+            and _backend() != "tpu" and call.gate != "channel":
+        # The GPU kernels activate the scalar gate and beta as they load them (fla's fusion:
+        # the activated [B, T, HV] arrays never reach memory). KDA's channel gate and the TPU
+        # kernels take them activated by XLA below.
+        in_kernel = dict(use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log,
+                         dt_bias=dt_bias, use_beta_sigmoid_in_kernel=bool(
+                             use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval))
+    elif use_gate_in_kernel or use_beta_sigmoid_in_kernel:
         lb = float(lower_bound) if use_gate_in_kernel and lower_bound is not None else None
         beta, g_act = _activations(
             beta, g if use_gate_in_kernel else None, A_log, dt_bias,
@@ -257,7 +269,7 @@ def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_s
         g = g_act if use_gate_in_kernel else g
     o, s = _execute(impl, q, k, v, beta, g, delta=delta, scale=scale, initial_state=s0,
                     output_final_state=output_final_state, chunk_size=chunk_size,
-                    cu_seqlens=cu, normalize_qk=use_qk_l2norm_in_kernel)
+                    cu_seqlens=cu, normalize_qk=use_qk_l2norm_in_kernel, **in_kernel)
     if s is not None and state_v_first:
         s = jnp.swapaxes(s, -1, -2)
     return o, s
