@@ -80,7 +80,7 @@ every kernel tiles V, by block_v, block_v_out, block_v_bwd or block_wu) on GPU (
 support.INTERPRET_HEAD_DIMS in interpret mode), any
 T, chunk sizes support.CHUNK_SIZES, `cu_seqlens` (B = 1 packed), in-kernel L2 normalisation,
 fla's fused scalar gate and beta logits (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`:
-the forward kernels activate them on load; `gpu_launch._activated_inputs` says where a
+the forward kernels activate them on load; `gpu_launch._core_fwd` says where a
 differentiated call does).
 """
 

@@ -674,24 +674,14 @@ def _intra_backward(st: Static, q, k, v, beta, g, res, do, r3):
     return r4
 
 
-def _activated_inputs(st: Static, beta, g):
-    """(st, beta, g) with the gate and beta activated here, in XLA over [B, Tp, HV], and the
-    kernels' own activations off: the forward of a differentiated call, whose backward kernels
-    read them again. A primal call activates in its kernels (no XLA pass; H200, GDN B4 T4096
-    H16 D128 bf16, kernel time 372 / 368 us against 378 / 371 with the XLA pass), but the
-    backward's kernels are not where to recompute them: on load in the spill-bound K4q / K4w
-    (538 / 402 us against 525 / 385), stored by K1b (K1b 92 -> 100 us) or an XLA pass in the
-    backward (fwd+bwd 1.587 against 1.574 ms with the activations kept) all cost more than
-    keeping them."""
-    kc = st.kc
-    if not (kc.gate_act or kc.beta_act):
-        return st, beta, g
-    if kc.gate_act:
-        g = support.fused_gate(g.g, g.A_log, g.dt_bias)
+def _activations(kc, beta, g):
+    """(beta, g) activated in XLA (cfg.beta_act: beta_act * sigmoid(beta); a RawGate: fla's
+    -exp(A_log) softplus(g + dt_bias)), float32; unchanged otherwise."""
     if kc.beta_act:
         beta = kc.beta_act * jax.nn.sigmoid(beta.astype(F32))
-    kc = dataclasses.replace(kc, gate_act=False, beta_act=0.0)
-    return dataclasses.replace(st, kc=kc), beta, g
+    if isinstance(g, RawGate):
+        g = support.fused_gate(g.g, g.A_log, g.dt_bias)
+    return beta, g
 
 
 def _backward(st: Static, q, k, v, beta, g, s0, offs, res, do, dsT):
@@ -719,35 +709,30 @@ def core(st, q, k, v, beta, g, s0, offs):
 
 
 def _core_fwd(st, q, k, v, beta, g, s0, offs):
-    st_act, beta_act, g_act = _activated_inputs(st, beta, g)
+    # A differentiated call activates a raw gate / beta logits in XLA and its kernels read the
+    # activated values, forward and backward: the program of the same call with the activations
+    # outside. (A primal call's kernels activate them on load, with no XLA pass: H200, GDN B4
+    # T4096 H16 D128 bf16, GPU time 379 against 380 us. Recomputing them for the backward cost
+    # more than keeping them: on load in the spill-bound K4q / K4w 538 / 402 us against
+    # 525 / 385; stored by K1b, K1b 100 against 92 us; an XLA pass in the backward, fwd+bwd
+    # 1.587 against 1.574 ms.)
+    (beta_act, g_act), act_vjp = jax.vjp(functools.partial(_activations, st.kc), beta, g)
+    st_act = dataclasses.replace(st, kc=dataclasses.replace(st.kc, gate_act=False, beta_act=0.0))
     o, sT, res = _forward(st_act, q, k, v, beta_act, g_act, s0, offs, save=True)
     # Named so that a remat policy can keep them instead of rerunning the forward kernels in the
     # backward (see support.name_residuals).
     res = support.name_residuals(res)
-    return (o, sT), (q, k, v, beta, g, beta_act, g_act, s0, offs, res)
-
-
-def _raw_cotangents(kc, beta, g, beta_act, g_act, dbeta, dg):
-    """The cotangents of the raw inputs (cfg.beta_act: beta_act = s sigmoid(beta); a RawGate:
-    g_act = -exp(A_log) softplus(g + dt_bias)) from those of the activated values the backward
-    kernels read, in XLA over [B, Tp, HV]."""
-    if kc.beta_act:
-        dbeta = (dbeta * beta_act * (1.0 - beta_act / kc.beta_act)).astype(beta.dtype)
-    if isinstance(g, RawGate):
-        dx = dg * -jnp.exp(g.A_log) * jax.nn.sigmoid(g.g.astype(F32) + g.dt_bias)
-        dg = RawGate(dx.astype(g.g.dtype), jnp.sum(dg * g_act, axis=(0, 1)),
-                     jnp.sum(dx, axis=(0, 1)))
-    return dbeta, dg
+    return (o, sT), (q, k, v, beta_act, g_act, act_vjp, s0, offs, res)
 
 
 def _core_bwd(st, saved, cts):
-    q, k, v, beta, g, beta_act, g_act, s0, offs, res = saved
+    q, k, v, beta, g, act_vjp, s0, offs, res = saved
     do, dsT = cts
     dsT = dsT.astype(F32) if st.kc.has_dsT else None
-    st_act = dataclasses.replace(st, kc=dataclasses.replace(st.kc, gate_act=False, beta_act=0.0))
-    dq, dk, dv, dbeta, dg, ds0 = _backward(st_act, q, k, v, beta_act, g_act, s0, offs, res,
+    st = dataclasses.replace(st, kc=dataclasses.replace(st.kc, gate_act=False, beta_act=0.0))
+    dq, dk, dv, dbeta, dg, ds0 = _backward(st, q, k, v, beta, g, s0, offs, res,
                                            do.astype(v.dtype), dsT)
-    dbeta, dg = _raw_cotangents(st.kc, beta, g, beta_act, g_act, dbeta, dg)
+    dbeta, dg = act_vjp((dbeta, dg))
     return dq, dk, dv, dbeta, dg, ds0, None
 
 
