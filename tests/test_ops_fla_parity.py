@@ -307,26 +307,29 @@ def test_gpu_kernels_activate_on_load(layout):
     gradient (raw g, A_log, dt_bias, beta logits included) within 1e-5, odd T (padded with a raw
     -inf gate), an initial state, grouped value heads. The layouts where K1 / K2 / K2o read g
     themselves (the default, where K1b stores the cumulative gate, runs in the tests above)."""
-    from atlas_jax.kernels.delta_family.gpu import GpuBlockSizes, chunk_delta_family_gpu
+    from atlas_jax.kernels.delta_family.gpu import GpuBlockSizes
     bs = {"one_k1_fused_output_one_k4": GpuBlockSizes(
               fuse_output=True, split_intra=False, split_state_bwd=False, split_intra_bwd=False),
           "unsplit_k1": GpuBlockSizes(split_intra=False)}[layout]
     x = make(12, "gated_delta_rule")
-    s0 = jnp.swapaxes(x["s0"], -1, -2)
+    kw = dict(scale=0.25, output_final_state=True, chunk_size=16, interpret=True, block_sizes=bs)
+    check(gpu_kernel_call(True, **kw), gpu_kernel_call(False, **kw),
+          dict(x, s0=jnp.swapaxes(x["s0"], -1, -2)))
 
-    def kernel(fused):
-        def fn(q, k, v, beta, g, A_log, dt_bias, s0):
-            kw = dict(scale=0.25, initial_state=s0, output_final_state=True, chunk_size=16,
-                      interpret=True, block_sizes=bs)
-            if fused:
-                return chunk_delta_family_gpu(q, k, v, beta, g, use_gate_in_kernel=True,
-                                              A_log=A_log, dt_bias=dt_bias,
-                                              use_beta_sigmoid_in_kernel=True, **kw)
-            g = -jnp.exp(A_log) * jax.nn.softplus(g + dt_bias)
-            return chunk_delta_family_gpu(q, k, v, jax.nn.sigmoid(beta), g, **kw)
-        return fn
 
-    check(kernel(True), kernel(False), dict(x, s0=s0))
+def gpu_kernel_call(fused, **kw):
+    """chunk_delta_family_gpu as a function of fla's raw arrays: fused (the kernels take the raw
+    gate and beta logits) or with both activated outside by XLA."""
+    from atlas_jax.kernels.delta_family.gpu import chunk_delta_family_gpu
+
+    def fn(q, k, v, beta, g, A_log, dt_bias, s0=None):
+        if fused:
+            return chunk_delta_family_gpu(q, k, v, beta, g, initial_state=s0,
+                                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                          use_beta_sigmoid_in_kernel=True, **kw)
+        g = -jnp.exp(A_log) * jax.nn.softplus(g + dt_bias)
+        return chunk_delta_family_gpu(q, k, v, jax.nn.sigmoid(beta), g, initial_state=s0, **kw)
+    return fn
 
 
 def test_gpu_kernels_fused_gate_lowering():
@@ -335,21 +338,14 @@ def test_gpu_kernels_fused_gate_lowering():
     log1p, no sigmoid in the exported program)."""
     import re
     from jax import export
-    from atlas_jax.kernels.delta_family.gpu import chunk_delta_family_gpu
     x = make(13, "gated_delta_rule", t=128)
     q, k, v = (x[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
     q, k = (jnp.pad(a, [(0, 0)] * 3 + [(0, 112)]) for a in (q, k))      # K = 128 on a GPU
     v = jnp.pad(v, [(0, 0)] * 3 + [(0, 96)])
 
     def lower(fused, grad):
-        def fwd(q, k, v, beta, g, A_log, dt_bias):
-            kw = dict(scale=0.1, output_final_state=True, chunk_size=64, interpret=False)
-            if fused:
-                return chunk_delta_family_gpu(q, k, v, beta, g, use_gate_in_kernel=True,
-                                              A_log=A_log, dt_bias=dt_bias,
-                                              use_beta_sigmoid_in_kernel=True, **kw)
-            g = -jnp.exp(A_log) * jax.nn.softplus(g + dt_bias)
-            return chunk_delta_family_gpu(q, k, v, jax.nn.sigmoid(beta), g, **kw)
+        fwd = gpu_kernel_call(fused, scale=0.1, output_final_state=True, chunk_size=64,
+                              interpret=False)
 
         def loss(*a):
             o, s = fwd(*a)

@@ -20,10 +20,10 @@ from jax.experimental import pallas as pl
 
 from atlas_jax.kernels.delta_family.gpu_math import (
     F32, KernelCfg, SUB, chunk_cumulative_gate, chunk_gates, chunk_p, chunk_range,
-    exact_masked_sum, exp, gated_chunk, iota, k_piece, l2n, l2n_vjp, load_beta, load_dot,
-    load_f32, load_gate, load_qk, mm, mm_nt, mm_tn, p_from_qk, pair_exponent, pair_factors,
-    qk_operand, qk_piece, rev_cumsum_rows, rev_cumsum_vec, row, scalar_chunk_gates, seg_matrix,
-    suffix_rows, token_rows)
+    exact_masked_sum, exp, gated_chunk, iota, k_piece, l2n, l2n_vjp, load_dot, load_f32,
+    load_qk, mm, mm_nt, mm_tn, p_from_qk, pair_exponent, pair_factors, qk_operand, qk_piece,
+    rev_cumsum_rows, rev_cumsum_vec, row, scalar_chunk_gates, seg_matrix, suffix_rows,
+    token_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
         return load_qk(r["k"], all_, cfg, False)
 
     if cfg.gate == "scalar":
-        g = load_gate(r, cfg, slice(None))
+        g = load_f32(r["g"], slice(None))
         _, _, gam, _, dec = chunk_gates(g, "scalar")
         seg = seg_matrix(g)
         kdec = exp(row(seg, C - 1))                           # exp(sum_{l > i} g_l)
@@ -203,7 +203,7 @@ def intra_bwd_kernel(r, cfg: KernelCfg):
     dk = dkt if cfg.gate == "channel" else dk + dkt
 
     # Pass A.
-    beta = load_beta(r, cfg, slice(None))
+    beta = load_f32(r["beta"], slice(None))
     def pa(jv, carry):
         dx, dmy, dbeta = carry
         vs = pl.ds(jv * BVB, BVB)
@@ -301,7 +301,7 @@ def intra_bwd_qk_kernel(r, cfg: KernelCfg):
     qs = (l2n(q_raw) if cfg.normalize else q_raw) * cfg.scale
     k = load_qk(r["k"], all_, cfg, False)
     if scalar:
-        g = load_gate(r, cfg, slice(None))
+        g = load_f32(r["g"], slice(None))
         _, _, gam, _, dec = chunk_gates(g, "scalar")
         d_i = jnp.where(rr >= cc, exp(seg_matrix(g)), 0.0)
         e2 = dp * (mm_nt(qs, k, low) * jnp.where(rr > cc, d_i, 0.0))
@@ -338,7 +338,7 @@ def intra_bwd_wy_kernel(r, cfg: KernelCfg, k_pieces: int):
     rr, cc = iota((C, C), 0), iota((C, C), 1)
     all_ = (slice(None), slice(None))
     scalar = cfg.gate == "scalar"
-    beta = load_beta(r, cfg, slice(None))
+    beta = load_f32(r["beta"], slice(None))
 
     def pa(jv, carry):
         dmy, dbeta = carry
@@ -352,7 +352,7 @@ def intra_bwd_wy_kernel(r, cfg: KernelCfg, k_pieces: int):
     dmy, dbeta = lax.fori_loop(0, cfg.V // BVB, pa, (jnp.zeros((C, C), F32),
                                                      jnp.zeros((C,), F32)))
     if scalar:
-        g = load_gate(r, cfg, slice(None))
+        g = load_f32(r["g"], slice(None))
         gam = chunk_gates(g, "scalar")[2]
 
     def piece_dx(p):
@@ -425,7 +425,7 @@ def channel_diag_bwd_kernel(r, cfg: KernelCfg):
         return jnp.sum(jnp.where(cols == j, x, 0.0), axis=1)
 
     def beta_(j):
-        return load_beta(r, cfg, (j, slice(None)))
+        return load_f32(r["beta"], (j, slice(None)))
 
     dprow, dmrow = load_f32(r["dp_d"], (i, slice(None), slice(None))), load_f32(
         r["dm_d"], (i, slice(None), slice(None)))
@@ -477,7 +477,7 @@ def intra_bwd_channel_kernel(r, cfg: KernelCfg):
     def pair(name, i, j):
         return load_f32(r[name], (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)))
 
-    betas = [load_beta(r, cfg, pl.ds(b * SUB, SUB))[:, None] for b in range(nb)]
+    betas = [load_f32(r["beta"], pl.ds(b * SUB, SUB))[:, None] for b in range(nb)]
 
     def piece(p, dbs):
         kp = pl.ds(p * bk, bk)

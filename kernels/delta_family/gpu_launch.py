@@ -40,19 +40,11 @@ class Static:
 
 class RawGate(NamedTuple):
     """fla's fused scalar gate (use_gate_in_kernel): the raw input g [B, Tp, HV] (padding
-    -inf), A_log [HV] and dt_bias [HV] (float32); the kernels that read g activate it on load
-    (`gpu_math.load_gate`, cfg.gate_act). Its shape and dtype are the activated gate's."""
+    -inf), A_log [HV] and dt_bias [HV] (float32); the forward kernels that read g activate it
+    on load (`gpu_math.load_gate`, cfg.gate_act)."""
     g: jax.Array
     A_log: jax.Array
     dt_bias: jax.Array
-
-    @property
-    def shape(self):
-        return self.g.shape
-
-    @property
-    def dtype(self):
-        return jnp.dtype(F32)
 
 
 def _value_heads(st, q):

@@ -100,8 +100,9 @@ class KernelCfg:
     block_wu_channel: int = 64   # the same for the channel gate (gate operands, W, U0)
     gate_act: bool = False       # scalar gate: r["g"] is fla's raw gate input, activated on
     #                              load (`load_gate`) with the head's r["A_log"], r["dt_bias"]
+    #                              (forward kernels of a primal call only)
     beta_act: float = 0.0        # > 0: r["beta"] holds logits, beta = beta_act * sigmoid(.)
-    #                              (`load_beta`; 2 is fla's allow_neg_eigval)
+    #                              (`load_beta`; 2 is fla's allow_neg_eigval; the same)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -254,9 +254,10 @@ def _run_op(op, q, k, v, beta, g, *, delta, scale, initial_state, output_final_s
     in_kernel = {}
     if (use_gate_in_kernel or use_beta_sigmoid_in_kernel) and impl == "pallas" \
             and _backend() != "tpu" and call.gate != "channel":
-        # The GPU kernels activate the scalar gate and beta as they load them (fla's fusion:
-        # the activated [B, T, HV] arrays never reach memory). KDA's channel gate and the TPU
-        # kernels take them activated by XLA below.
+        # The GPU kernels take the raw scalar gate and beta logits: a primal call's kernels
+        # activate them as they load them (fla's fusion), a differentiated call activates them
+        # once in XLA for its forward and backward kernels (gpu_launch._core_fwd). KDA's
+        # channel gate and the TPU kernels take them activated by XLA below.
         in_kernel = dict(use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log,
                          dt_bias=dt_bias, use_beta_sigmoid_in_kernel=bool(
                              use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval))
