@@ -272,7 +272,7 @@ def _wu_channel_pieces(r, cfg: KernelCfg):
     (its cumulative gate, Gam k, Gam q, exp(G_C - G) k, exp(G_C) and W's columns), and the
     pipeliner overlaps the next piece's loads with this one's dot."""
     t = load_dot(r["tmat"], (slice(None), slice(None)), cfg)
-    beta = load_beta(r, cfg, slice(None))[:, None]
+    beta = load_f32(r["beta"], slice(None))[:, None]
     bw = k_piece(cfg, cfg.block_wu_channel)
 
     def w_piece(i, carry):
@@ -346,7 +346,7 @@ def channel_diag_fwd_kernel(r, cfg: KernelCfg):
     qi, ki = q_(i), k_(i)         # [BH, K], or [1, K] shared by a group of BH value heads
     nh = r["m"].shape[0]
     cols = iota((nh, SUB), 1)
-    beta_i = load_beta(r, cfg, (i, slice(None)))
+    beta_i = load_f32(r["beta"], (i, slice(None)))
     # Each pair's value goes straight to its column (as fla's kernel stores it) rather than
     # into a [BH, 16] tile, which broadcast every reduced row across a layout change per step
     # (H100, B1 T16384 H16 D128 bf16: 0.34 -> 0.29 ms). The columns no pair reaches (M: j >= i;
@@ -410,7 +410,7 @@ def channel_pairs_kernel(r, cfg: KernelCfg):
     acc = lax.fori_loop(0, cfg.K // bk, piece, tuple((zero, zero) for _ in pairs))
     M, P = {}, {}
     for (i, j), (a, pq) in zip(pairs, acc):
-        M[i, j] = load_beta(r, cfg, pl.ds(i * SUB, SUB))[:, None] * a
+        M[i, j] = load_f32(r["beta"], pl.ds(i * SUB, SUB))[:, None] * a
         P[i, j] = pq
     if cfg.fuse_solve:
         # As fla's inter + solve kernel: the inverse T from the blocks in registers and K1d's

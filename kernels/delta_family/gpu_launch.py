@@ -670,10 +670,15 @@ def _activations(kc, beta, g):
     """(beta, g) activated in XLA (cfg.beta_act: beta_act * sigmoid(beta); a RawGate: fla's
     -exp(A_log) softplus(g + dt_bias)), float32; unchanged otherwise."""
     if kc.beta_act:
-        beta = kc.beta_act * jax.nn.sigmoid(beta.astype(F32))
+        beta = support.fused_beta(beta, neg_eigval=kc.beta_act == 2.0)
     if isinstance(g, RawGate):
         g = support.fused_gate(g.g, g.A_log, g.dt_bias)
     return beta, g
+
+
+def _without_activations(st: Static) -> Static:
+    """st for kernels fed activated values (cfg.gate_act / beta_act off)."""
+    return dataclasses.replace(st, kc=dataclasses.replace(st.kc, gate_act=False, beta_act=0.0))
 
 
 def _backward(st: Static, q, k, v, beta, g, s0, offs, res, do, dsT):
@@ -709,8 +714,7 @@ def _core_fwd(st, q, k, v, beta, g, s0, offs):
     # 525 / 385; stored by K1b, K1b 100 against 92 us; an XLA pass in the backward, fwd+bwd
     # 1.587 against 1.574 ms.)
     (beta_act, g_act), act_vjp = jax.vjp(functools.partial(_activations, st.kc), beta, g)
-    st_act = dataclasses.replace(st, kc=dataclasses.replace(st.kc, gate_act=False, beta_act=0.0))
-    o, sT, res = _forward(st_act, q, k, v, beta_act, g_act, s0, offs, save=True)
+    o, sT, res = _forward(_without_activations(st), q, k, v, beta_act, g_act, s0, offs, save=True)
     # Named so that a remat policy can keep them instead of rerunning the forward kernels in the
     # backward (see support.name_residuals).
     res = support.name_residuals(res)
@@ -721,9 +725,8 @@ def _core_bwd(st, saved, cts):
     q, k, v, beta, g, act_vjp, s0, offs, res = saved
     do, dsT = cts
     dsT = dsT.astype(F32) if st.kc.has_dsT else None
-    st = dataclasses.replace(st, kc=dataclasses.replace(st.kc, gate_act=False, beta_act=0.0))
-    dq, dk, dv, dbeta, dg, ds0 = _backward(st, q, k, v, beta, g, s0, offs, res,
-                                           do.astype(v.dtype), dsT)
+    dq, dk, dv, dbeta, dg, ds0 = _backward(_without_activations(st), q, k, v, beta, g, s0, offs,
+                                           res, do.astype(v.dtype), dsT)
     dbeta, dg = act_vjp((dbeta, dg))
     return dq, dk, dv, dbeta, dg, ds0, None
 

@@ -14,6 +14,7 @@ Each knob has exactly one owner here:
   RESIDUALS_NAME       the `checkpoint_name` of what the kernels' forward saves for the backward
                        (a remat policy that keeps it skips rerunning the forward kernels)
   fused_gate           fla's gate activation (use_gate_in_kernel), float32, one XLA pass
+  fused_beta           fla's beta activation (use_beta_sigmoid_in_kernel), float32
 
 `check_delta_call` is the one checker of shapes, dtypes and `cu_seqlens` for the public ops
 (`atlas_jax.ops`) and the kernel entries (`chunk_delta_family_gpu`, `chunk_delta_family_tpu`);
@@ -52,6 +53,12 @@ def fused_gate(g, A_log, dt_bias, *, lower_bound=None):
         return -a * jax.nn.softplus(x)
     off = x == -jnp.inf
     return jnp.where(off, 0.0, lower_bound * jax.nn.sigmoid(a * jnp.where(off, 0.0, x)))
+
+
+def fused_beta(beta, *, neg_eigval=False):
+    """fla's in-kernel beta (use_beta_sigmoid_in_kernel) in float32: sigmoid of the logits,
+    times 2 with allow_neg_eigval (beta in [0, 2))."""
+    return jax.nn.sigmoid(beta.astype(jnp.float32)) * (2.0 if neg_eigval else 1.0)
 
 
 def name_residuals(tree):

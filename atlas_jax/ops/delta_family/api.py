@@ -152,9 +152,7 @@ def _activations(beta, g, A_log, dt_bias, *, channel, beta_sigmoid, neg_eigval, 
       lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), when A_log or lower_bound is given
       (g None: unchanged). A_log [HV] (None: 1 for the exp), dt_bias [HV] or [HV, K] or None."""
     if beta_sigmoid:
-        beta = jax.nn.sigmoid(beta.astype(jnp.float32))
-        if neg_eigval:
-            beta = 2.0 * beta
+        beta = support.fused_beta(beta, neg_eigval=neg_eigval)
     if g is not None and (A_log is not None or lower_bound is not None):
         g = support.fused_gate(g, A_log, dt_bias, lower_bound=lower_bound if channel else None)
     return beta, g
