@@ -59,14 +59,15 @@ def _operands(seed, *, momentum, B=1, H=2, N=3, n=11, d=8, h=32, dv=8, dtype=jnp
     return state, a.astype(dtype), t, rows, extra[0], decay, extra[1], extra[2]
 
 
-def _states_and_grads(impl, args, *, activation, residual, kernel=None, run=mlp_state_pass):
+def _states_and_grads(impl, args, *, activation, residual, kernel=None, run=mlp_state_pass, sources=False):
     probe = jax.random.normal(jax.random.PRNGKey(99), (4096,))
 
     def loss(*x):
-        starts, final = run(*x, activation=activation, residual=residual, impl=impl, kernel=kernel)
-        leaves = jax.tree.leaves((starts, final))
+        extra = {"sources": True} if sources else {}
+        out = run(*x, activation=activation, residual=residual, impl=impl, kernel=kernel, **extra)
+        leaves = jax.tree.leaves(out)
         total = sum(jnp.sum(l * probe[:l.size].reshape(l.shape) if l.size <= 4096 else l) for l in leaves)
-        return total, (starts, final)
+        return total, out
 
     argnums = tuple(i for i, x in enumerate(args) if x is not None)
     grads, out = jax.grad(loss, argnums=argnums, has_aux=True)(*args)
@@ -82,6 +83,23 @@ def test_kernel_equals_reference_states_and_gradients(momentum, residual, activa
     got = _states_and_grads("pallas", args, activation=activation, residual=residual, kernel=kernel)
     (starts, final), (starts_r, final_r) = got[0], want[0]
     assert tree_rel(starts, starts_r) <= TOL and tree_rel(final, final_r) <= TOL
+    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
+        assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
+
+
+@pytest.mark.parametrize("kernel,backward", [("gpu", "kernel"), ("gpu", "xla"), ("tpu", None)])
+@pytest.mark.parametrize("momentum,residual", [(True, False), (False, True)])
+def test_kernel_returns_the_source_pass(kernel, backward, momentum, residual):
+    """sources=True: every chunk's H, D and Y as the kernel formed them (the GPU kernel's backward
+    takes their cotangents in its own pass) equal the reference's, and so does every gradient of
+    a loss that reads them next to the states."""
+    args = _operands(13, momentum=momentum, N=4)
+    run = mlp_state_pass if backward is None else functools.partial(
+        mlp_state_pass, block_sizes=MLPGpuBlockSizes(backward=backward))
+    want = _states_and_grads("chunk", args, activation="gelu", residual=residual, sources=True)
+    got = _states_and_grads("pallas", args, activation="gelu", residual=residual, kernel=kernel, run=run,
+                            sources=True)
+    assert len(got[0]) == 3 and tree_rel(got[0], want[0]) <= TOL
     for index, (g, g_r) in enumerate(zip(got[1], want[1])):
         assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
 
@@ -286,15 +304,16 @@ def test_kernel_lowers_to_mosaic_for_tpu(dtype, momentum, sizes):
 @pytest.mark.parametrize("momentum,residual,dtype", [(True, False, jnp.float32), (False, True, jnp.float32),
                                                      (True, False, jnp.bfloat16)])
 def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype, backward):
-    """Several hidden tiles per head (h 512, tiles of 64): the grid barrier's cross-tile sums."""
+    """Several hidden tiles per head (h 512, tiles of 64): the grid barrier's cross-tile sums; the
+    returned source pass (H, D, Y) and its cotangents too."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     jax.config.update("jax_default_matmul_precision", "highest")   # the XLA reference in float32, not TF32
     args = _operands(8, momentum=momentum, B=2, H=3, N=5, n=64, d=128, h=512, dv=128, dtype=dtype)
     ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
     run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(dots="exact", backward=backward))
-    got = _states_and_grads("pallas", args, activation="gelu", residual=residual, run=run)
-    want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual)
+    got = _states_and_grads("pallas", args, activation="gelu", residual=residual, run=run, sources=True)
+    want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual, sources=True)
     tol = TOL if dtype == jnp.float32 else 2e-2
     assert tree_rel(got[0], want[0]) <= tol, tree_rel(got[0], want[0])
     for index, (g, g_r) in enumerate(zip(got[1], want[1])):

@@ -82,7 +82,7 @@ from atlas_jax.kernels.delta_family.gpu import default_interpret
 from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt, mm_tn
 from atlas_jax.kernels.delta_family.support import check_num_warps, is_int
 from atlas_jax.kernels.omega.support import next_pow2
-from atlas_jax.ops.deep_memory.state_pass import MLPStates
+from atlas_jax.ops.deep_memory.state_pass import MLPSources, MLPStates
 
 __all__ = ["MLPGpuBlockSizes", "mlp_state_pass_gpu"]
 
@@ -149,6 +149,7 @@ class _Cfg(support.PassCfg):
     num_warps_bwd: int
     dots: str
     block_hidden_bwd: int
+    sources: bool = False    # the forward also returns every chunk's H, D and Y (state_pass.MLPSources)
 
     @property
     def tiles(self):
@@ -249,6 +250,8 @@ def _fwd_kernel(r, cfg: _Cfg):
         a = a if cfg.low else a.astype(F32)
         z = mm_(a, start("w0"))
         hidden, slope = act_and_grad(cfg.activation, z)
+        if cfg.sources:
+            r["o_hidden"][bh, i, :, cols] = hidden
         slot = lax.rem(i, 2)
         r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start("w1"))
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (i + 1)))
@@ -265,6 +268,8 @@ def _fwd_kernel(r, cfg: _Cfg):
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         decay = _scalar(r["decay"], bh, i)
         d0 = mm_nt_(e, start("w1")) * slope
+        if cfg.sources:
+            r["o_d0"][bh, i, :, cols] = d0
 
         def put(name, value):   # chunk i + 1's start, or the final state after the last chunk
             @pl.when(i + 1 < N)
@@ -307,6 +312,8 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
             **{"f_" + k: sds(BH, *s) for k, s in shapes.items()},
             "y": sds(BH, N, n, dv), "share": sds(BH, 2, cfg.tiles, n, dv),
             "count": jax.ShapeDtypeStruct((BH,), jnp.int32)}
+    if cfg.sources:
+        outs.update(o_hidden=sds(BH, N, n, h), o_d0=sds(BH, N, n, h))
     in_names, out_names = list(ins) + ["count_in"], list(outs)
 
     def kernel(*refs):
@@ -321,7 +328,8 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
     )(*ins.values(), jnp.zeros((BH,), jnp.int32))
     res = dict(zip(out_names, res))
     pick = lambda prefix: MLPStates(*(res.get(prefix + k) for k in ("w0", "w1", "m0", "m1")))
-    return pick("s_"), pick("f_"), res["y"]
+    sources = MLPSources(res["o_hidden"], res["o_d0"], res["y"]) if cfg.sources else None
+    return pick("s_"), pick("f_"), res["y"], sources
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +381,9 @@ def _bwd_kernel(r, cfg: _Cfg):
             big_a, h_hat = big_a + mrows * axm, h_hat + mrows * em1
             r["dmrows"][bh, i, j, :] = jnp.sum(d0 * axm + hidden * em1, axis=1)
             e_share = e_share + mrows * mm_(operand(hidden), operand(x("m1")))
+        if cfg.sources:   # what the returned H and D of this chunk receive
+            big_a = big_a + load_f32(r["c_d0"], (bh, i, all_, cols))
+            h_hat = h_hat + load_f32(r["c_hidden"], (bh, i, all_, cols))
         q = big_a * slope
         slot = lax.rem(k, 2)
         r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st("w1"))
@@ -384,6 +395,8 @@ def _bwd_kernel(r, cfg: _Cfg):
         def _():
             r["dt"][bh, i, :, :] = -e_hat
 
+        if cfg.sources:   # the returned Y's cotangent joins E's after the targets took theirs
+            e_hat = e_hat + load_f32(r["c_y"], (bh, i, all_, all_))
         e_res = e_hat if cfg.residual else None
         e_hat = operand(e_hat)
         z_hat = (h_hat + mm_nt_(e_hat, st("w1"))) * slope + big_a * g_curve
@@ -417,7 +430,8 @@ def _bwd_kernel(r, cfg: _Cfg):
     lax.fori_loop(0, N, chunk, jnp.bool_(False))
 
 
-def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, mcarry, d_starts, d_final):
+def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, mcarry, d_starts, d_final,
+              d_sources=None):
     cfg = dataclasses.replace(cfg, block_hidden=cfg.block_hidden_bwd)
     BH, N, n, d = a.shape
     h, dv = starts.w0.shape[-1], starts.w1.shape[-1]
@@ -426,6 +440,8 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
     ins = {"a": a, "t": t, "rows": rows, "decay": decay, "y": y}
     if cfg.momentum:
         ins.update(mrows=mrows, carry=carry, mcarry=mcarry)
+    if cfg.sources:
+        ins.update(c_hidden=d_sources.hidden, c_d0=d_sources.d0, c_y=d_sources.y)
     for i, key in enumerate(keys):
         ins["s_" + key], ins["ds_" + key], ins["df_" + key] = starts[i], d_starts[i], d_final[i]
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
@@ -456,19 +472,19 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
-    starts, final, _ = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
-    return starts, final
+    starts, final, _, sources = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
+    return (starts, final, sources) if cfg.sources else (starts, final)
 
 
 def _core_fwd(cfg, state, a, t, rows, mrows, decay, carry, mcarry):
-    starts, final, y = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
-    return (starts, final), (starts, y, a, t, rows, mrows, decay, carry, mcarry)
+    starts, final, y, sources = _forward(cfg, state, a, t, rows, mrows, decay, carry, mcarry)
+    out = (starts, final, sources) if cfg.sources else (starts, final)
+    return out, (starts, y, a, t, rows, mrows, decay, carry, mcarry)
 
 
 def _core_bwd(cfg, res, cts):
     starts, y, a, t, rows, mrows, decay, carry, mcarry = res
-    d_starts, d_final = cts
-    return _backward(cfg, starts, y, a, t, rows, mrows, decay, carry, mcarry, d_starts, d_final)
+    return _backward(cfg, starts, y, a, t, rows, mrows, decay, carry, mcarry, *cts)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -479,15 +495,19 @@ def _run(*args, cfg, padded):
     return support.run_padded(_core, cfg, padded, *args)
 
 
-# The persistent forward with the XLA reverse pass (`support.state_pass_vjp`) as its backward.
+# The persistent forward with the XLA reverse pass (`support.state_pass_vjp`) as its backward (the
+# op forms the sources from the start states on this route).
 _run_xla_backward = support.jitted_pass(lambda cfg, *xs: _forward(cfg, *xs)[:2])
 
 
 def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_end, carry_end,
                               momentum_carry, *, activation: str, residual: bool, interpret=None,
-                              block_sizes=None):
+                              block_sizes=None, sources: bool = False):
     """`atlas_jax.ops.deep_memory.mlp_state_pass` on the persistent kernels (arguments checked
-    there). Returns (starts [B, H, N, ...], final [B, H, ...]) as MLPStates, float32."""
+    there). Returns (starts [B, H, N, ...], final [B, H, ...]) as MLPStates, float32, and with
+    ``sources`` every chunk's MLPSources [B, H, N, ...] as the forward kernel formed them (the
+    backward kernel takes their cotangents; with ``block_sizes.backward="xla"`` the pair only:
+    the op forms them from the start states)."""
     bs = MLPGpuBlockSizes() if block_sizes is None else block_sizes
     if not isinstance(bs, MLPGpuBlockSizes):
         raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPGpuBlockSizes; got "
@@ -498,7 +518,8 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
     bs.check(hp, interpret)
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
-               dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd)
+               dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd,
+               sources=bool(sources) and bs.backward == "kernel")
     padded = tuple(next_pow2(x, least=16) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     run = _run if bs.backward == "kernel" else _run_xla_backward
     return run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from atlas_jax.ops.deep_memory.state_pass import MLPStates, mlp_chunk_step
+from atlas_jax.ops.deep_memory.state_pass import MLPSources, MLPStates, mlp_chunk_step
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
@@ -145,7 +145,7 @@ def run_padded(core, cfg, padded, state, a, t, rows, mrows, decay, carry, mcarry
     """`core` (a `state_pass_vjp`) on the op's arguments ([B, H, N, ...], states [B, H, ...]):
     B·H flattened, per-chunk operands cast to float32 (a keeps its dtype), n, d, h, dv zero-padded
     to ``padded`` = (n', d', h', dv'); returns (starts [B, H, N, ...], final [B, H, ...]) unpadded,
-    float32."""
+    float32; and every chunk's MLPSources [B, H, N, ...] where ``core`` returns them too."""
     B, H, N, n, d = a.shape
     h, dv = state.w0.shape[-1], state.w1.shape[-1]
     np_, dp, hp, vp = padded
@@ -156,9 +156,9 @@ def run_padded(core, cfg, padded, state, a, t, rows, mrows, decay, carry, mcarry
     f32 = lambda x: None if x is None else x.astype(F32)
     st = MLPStates(flat(f32(state.w0), dp, hp), flat(f32(state.w1), hp, vp),
                    flat(f32(state.m0), dp, hp), flat(f32(state.m1), hp, vp))
-    starts, final = core(cfg, st, flat(a, N, np_, dp), flat(f32(t), N, np_, vp),
-                         flat(f32(rows), N, np_), flat(f32(mrows), N, np_), flat(f32(decay), N),
-                         flat(f32(carry), N), flat(f32(mcarry), N))
+    starts, final, *sources = core(cfg, st, flat(a, N, np_, dp), flat(f32(t), N, np_, vp),
+                                   flat(f32(rows), N, np_), flat(f32(mrows), N, np_), flat(f32(decay), N),
+                                   flat(f32(carry), N), flat(f32(mcarry), N))
 
     def unflat(x, lead, rows_, cols):
         return None if x is None else x.reshape((B, H) + lead + x.shape[-2:])[..., :rows_, :cols]
@@ -167,7 +167,12 @@ def run_padded(core, cfg, padded, state, a, t, rows, mrows, decay, carry, mcarry
         return MLPStates(unflat(s.w0, lead, d, h), unflat(s.w1, lead, h, dv),
                          unflat(s.m0, lead, d, h), unflat(s.m1, lead, h, dv))
 
-    return unpad(starts, (N,)), unpad(final, ())
+    out = (unpad(starts, (N,)), unpad(final, ()))
+    if sources:   # a kernel that returns every chunk's MLPSources as well
+        (src,) = sources
+        out += (MLPSources(unflat(src.hidden, (N,), n, h), unflat(src.d0, (N,), n, h),
+                           unflat(src.y, (N,), n, dv)),)
+    return out
 
 
 def jitted_pass(forward):

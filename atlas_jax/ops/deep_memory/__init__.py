@@ -10,12 +10,15 @@ operands (the chunk-parallel coefficients) and reads every chunk from the states
 
 from atlas_jax.ops.deep_memory.state_pass import (
     IMPLS,
+    MLPSources,
     MLPStates,
     kernel_covers,
+    mlp_chunk_sources,
     mlp_chunk_step,
+    mlp_sources_from_starts,
     mlp_state_pass,
     mlp_state_pass_reference,
 )
 
-__all__ = ["IMPLS", "MLPStates", "kernel_covers", "mlp_chunk_step", "mlp_state_pass",
-           "mlp_state_pass_reference"]
+__all__ = ["IMPLS", "MLPSources", "MLPStates", "kernel_covers", "mlp_chunk_sources", "mlp_chunk_step",
+           "mlp_sources_from_starts", "mlp_state_pass", "mlp_state_pass_reference"]

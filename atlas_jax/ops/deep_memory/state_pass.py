@@ -43,17 +43,32 @@ class MLPStates(NamedTuple):
     m1: jax.Array | None = None
 
 
-def mlp_chunk_step(state: MLPStates, a, targets, rows, momentum_rows, decay_end, carry_end,
-                   momentum_carry, *, activation: str, residual: bool) -> MLPStates:
-    """One chunk for one sequence and head (the module docstring's update), float32."""
-    act = ACTIVATIONS[activation]
+class MLPSources(NamedTuple):
+    """A chunk's gradient sources through the memory at its start θ: H = σ(a W0) [n, h], the first
+    layer's output cotangents D = (E W1ᵀ) ⊙ σ'(a W0) [n, h] and the predictions Y [n, dv] (E =
+    Y − targets). The dual form's reads need exactly these (leading axes [B, H, N] from the op)."""
+
+    hidden: jax.Array
+    d0: jax.Array
+    y: jax.Array
+
+
+def mlp_chunk_sources(state: MLPStates, a, targets, *, activation: str, residual: bool) -> MLPSources:
+    """The module docstring's Z, H, Y, E, D for one chunk of one sequence and head, float32."""
     z = a @ state.w0
-    hidden, act_vjp = jax.vjp(act, z)
+    hidden, act_vjp = jax.vjp(ACTIVATIONS[activation], z)
     y = hidden @ state.w1
     if residual:
         y = y + a
+    (d0,) = act_vjp((y - targets) @ state.w1.T)
+    return MLPSources(hidden, d0, y)
+
+
+def mlp_chunk_step(state: MLPStates, a, targets, rows, momentum_rows, decay_end, carry_end,
+                   momentum_carry, *, activation: str, residual: bool) -> MLPStates:
+    """One chunk for one sequence and head (the module docstring's update), float32."""
+    hidden, d0, y = mlp_chunk_sources(state, a, targets, activation=activation, residual=residual)
     e = y - targets
-    (d0,) = act_vjp(e @ state.w1.T)
     w0 = decay_end * state.w0 + a.T @ (rows[:, None] * d0)
     w1 = decay_end * state.w1 + hidden.T @ (rows[:, None] * e)
     if state.m0 is None:
@@ -120,10 +135,17 @@ def mlp_state_pass_reference(state: MLPStates, a, targets, rows, momentum_rows=N
     return starts, final
 
 
+def mlp_sources_from_starts(starts: MLPStates, a, targets, *, activation: str, residual: bool) -> MLPSources:
+    """Every chunk's `MLPSources` [B, H, N, ...] from its start state (chunk-parallel, float32)."""
+    one = lambda st, a_, t_: mlp_chunk_sources(st, a_, t_, activation=activation, residual=residual)
+    f32 = lambda x: x.astype(jnp.float32)
+    return jax.vmap(jax.vmap(jax.vmap(one)))(starts, f32(a), f32(targets))
+
+
 def mlp_state_pass(state: MLPStates, a, targets, rows, momentum_rows=None, decay_end=None,
                    carry_end=None, momentum_carry=None, *, activation: str = "gelu",
                    residual: bool = False, impl: str = "chunk", kernel=None, interpret=None,
-                   block_sizes=None):
+                   block_sizes=None, sources: bool = False):
     """The sequential pass (module docstring) for every sequence and head; see
     `mlp_state_pass_reference` for the arguments. impl="chunk": the XLA scan; "pallas": a Pallas
     kernel, differentiable in every array argument: kernel="gpu" (Triton lowering,
@@ -131,7 +153,11 @@ def mlp_state_pass(state: MLPStates, a, targets, rows, momentum_rows=None, decay
     a TPU backend, "gpu" elsewhere); interpret and block_sizes go to that kernel (interpret None:
     interpret mode off the kernel's own backend). a may be bf16 (the kernel's dots then take
     bf16 operands, float32 accumulation); states, coefficients and every accumulation are
-    float32."""
+    float32.
+
+    sources=True also returns every chunk's `MLPSources` (differentiable too): the GPU kernel
+    keeps the ones it forms (its backward takes their cotangents in the same pass), the others
+    form them from the start states (`mlp_sources_from_starts`)."""
     if impl not in IMPLS:
         raise ValueError(f"mlp_state_pass: argument `impl` must be one of {IMPLS}; got {impl!r}.")
     if kernel is not None and kernel not in KERNELS:
@@ -142,16 +168,21 @@ def mlp_state_pass(state: MLPStates, a, targets, rows, momentum_rows=None, decay
     _check(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, activation,
            residual)
     if impl == "chunk":
-        return mlp_state_pass_reference(state, a, targets, rows, momentum_rows, decay_end, carry_end,
-                                        momentum_carry, activation=activation, residual=residual)
-    if activation not in KERNEL_ACTIVATIONS:
-        raise NotImplementedError(f"mlp_state_pass: impl='pallas' evaluates the activations "
-                                  f"{KERNEL_ACTIVATIONS}; got {activation!r}. Use impl='chunk'.")
-    if kernel is None:
-        kernel = "tpu" if jax.default_backend() == "tpu" else "gpu"
-    return _state_pass_kernel(kernel)(state, a, targets, rows, momentum_rows, decay_end, carry_end,
-                                      momentum_carry, activation=activation, residual=residual,
-                                      interpret=interpret, block_sizes=block_sizes)
+        out = mlp_state_pass_reference(state, a, targets, rows, momentum_rows, decay_end, carry_end,
+                                       momentum_carry, activation=activation, residual=residual)
+    else:
+        if activation not in KERNEL_ACTIVATIONS:
+            raise NotImplementedError(f"mlp_state_pass: impl='pallas' evaluates the activations "
+                                      f"{KERNEL_ACTIVATIONS}; got {activation!r}. Use impl='chunk'.")
+        if kernel is None:
+            kernel = "tpu" if jax.default_backend() == "tpu" else "gpu"
+        extra = {"sources": True} if sources and kernel == "gpu" else {}
+        out = _state_pass_kernel(kernel)(state, a, targets, rows, momentum_rows, decay_end, carry_end,
+                                         momentum_carry, activation=activation, residual=residual,
+                                         interpret=interpret, block_sizes=block_sizes, **extra)
+    if sources and len(out) == 2:
+        out = out + (mlp_sources_from_starts(out[0], a, targets, activation=activation, residual=residual),)
+    return out
 
 
 def _state_pass_kernel(kernel):
