@@ -11,7 +11,8 @@ columns, W1's rows and the momentum's, for all N chunks of its head. Per chunk, 
     m0_j' = μ m0_j + aᵀ (ρ ⊙ D_j),            m1_j' = μ m1_j + H_jᵀ (ρ ⊙ E)
 
 Every chunk's start state and Y are kept (outputs: the dual form's reads and the backward need
-them). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j
+them); with ``sources`` H_j and D_j too (the reads' source pass: `state_pass.MLPSources`, whose
+cotangents join A_j, Ĥ_j and Ê below). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j
 (momentum) of tile j, and G_j = E W1_jᵀ:
 
     A_j = r ⊙ (a X0_j) + ρ ⊙ (a M0_j)           (D_j's cotangent),  Q_j = A_j ⊙ σ'(Z_j)
@@ -21,13 +22,17 @@ them). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j 
     start-state cotangents: X0_j ← P X0_j + aᵀ Ẑ_j,  X1_j ← P X1_j + Q_jᵀ E + H_jᵀ Ê,
                             M0_j ← s X0_j + μ M0_j,  M1_j ← s X1_j + μ M1_j   (+ the starts' own)
     â = Σ_j [(r ⊙ D_j) X0_jᵀ + (ρ ⊙ D_j) M0_jᵀ + Ẑ_j W0_jᵀ] (+ Ê),  targets' = −Ê,
-    r̂ = Σ_j rowsum(D_j ⊙ a X0_j + H_j ⊙ E X1_jᵀ) (ρ̂ alike with M), P̂ = Σ_j <X_j, θ_j>,
-    ŝ = Σ_j <X_j, m_j>, μ̂ = Σ_j <M_j, m_j>.
+    r̂ = Σ_j rowsum(D_j ⊙ a X0_j + H_j ⊙ E X1_jᵀ) (ρ̂ alike with M), and in XLA from every chunk's
+    kept chunk-end cotangents: P̂ = <X, θ>, ŝ = <X, m>, μ̂ = <M, m>.
 
 The sums over tiles that feed back into the chunk recursion (Y forward, Ê backward) go through a
 double-buffered [2, tiles] slot per head and a grid barrier (an atomic counter per head, spun on
-with atomic reads); those that do not (â, r̂, ρ̂ and the scalars) are written per tile and summed
-in XLA. A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the
+with atomic reads); those that do not (â, r̂, ρ̂) are written per tile and summed in XLA (â in the
+sources' dtype; summed in the kernel through the barrier's shares it was slower, 24.97 against
+24.54 ms for titans' layer below). The backward keeps every chunk's start-state cotangent
+([B·H, N + 1, ...], the first the initial state's; 2.1 GB at B4 T4096 for titans) instead of one
+in place, so that the three scalar cotangents are one XLA pass rather than six tile products and
+full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with that pass. A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the
 barrier needs only a head's tiles resident at once, not the whole grid. A spin that reaches its cap
 (a deadlock) poisons that head's results with NaN rather than returning wrong numbers.
 
@@ -49,8 +54,9 @@ program win (29.5 against 34.8 ms for 256 chunks; XLA's reverse pass 31.3); at B
 four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's registers, and then
 256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count; and where even
 twice the programs fit, the backward takes tiles of 32 (B1 H8: 26.2 against 29.7 ms). titans' memory
-layer (bf16, forward+backward): B4 T4096 H8 D128 27.4 ms, B1 T16384 35.8 (titans-pytorch 99.1 and
-102.2 in the same commands); the XLA dual form 33.6–34.0 and 61.5–62.6 in earlier commands. float32 sources with TF32 dots: forward level with
+layer (bf16, forward+backward, B4 T4096 H8 D128): 23.3 ms against titans-pytorch's 98.1 in one
+command (2026-11-27; benchmarks/results/titans_sources_h200_2026-11-27.md); the XLA dual form
+33.6–34.0 in earlier commands. float32 sources with TF32 dots: forward level with
 XLA (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
 inputs only.
 
@@ -339,11 +345,12 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
 def _bwd_kernel(r, cfg: _Cfg):
     j, bh, cols, names, (mm_, mm_nt_, mm_tn_, operand) = _program(cfg)
     N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
-    one_j = pl.ds(j, 1)
 
-    # The carried cotangent (of chunk i's end state) lives in the d_first outputs' tiles.
+    # Every chunk's start-state cotangent is kept, g_[i] for chunk i, g_[N] the final state's: the
+    # decay's and momentum coefficients' cotangents <X, θ>, <X, m>, <M, m> are then one XLA pass
+    # over them and the kept start states, not six tile products and reductions per chunk here.
     for name in names:
-        r["g_" + name][(bh,) + _tile_index(name, cols)] = load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
+        r["g_" + name][(bh, N) + _tile_index(name, cols)] = load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
     _cta_barrier(cfg)
 
     def chunk(k, stuck):
@@ -352,16 +359,9 @@ def _bwd_kernel(r, cfg: _Cfg):
         # the start state's from s_, the carried cotangent X / M from g_ (this program's own writes
         # of the chunk before, behind the CTA barrier).
         st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
-        x = lambda name: load_f32(r["g_" + name], (bh,) + _tile_index(name, cols))
+        x = lambda name: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols))
         a = r["a"][bh, i, :, :]
         a = a if cfg.low else a.astype(F32)
-        # The decay's and momentum coefficients' cotangents first: <X, θ>, <X, m>, <M, m> of the
-        # start state's tiles.
-        total = lambda u, v: jnp.sum(x(u) * st(v), keepdims=True)      # [1, 1]
-        r["ddecay"][bh, pl.ds(i, 1), one_j] = total("w0", "w0") + total("w1", "w1")
-        if cfg.momentum:
-            r["dcarry"][bh, pl.ds(i, 1), one_j] = total("w0", "m0") + total("w1", "m1")
-            r["dmcarry"][bh, pl.ds(i, 1), one_j] = total("m0", "m0") + total("m1", "m1")
         e = operand(load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_)))
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         hidden, slope, curve = act_grad2(cfg.activation, mm_(a, st("w0")))
@@ -406,7 +406,7 @@ def _bwd_kernel(r, cfg: _Cfg):
             da = da + mm_nt_(operand(mrows * d0), operand(x("m0")))
         if cfg.residual:
             da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_res   # tile 0 adds it
-        r["da"][bh, i, j, :, :] = da
+        r["da"][bh, i, j, :, :] = da.astype(r["da"].dtype)
 
         decay = _scalar(r["decay"], bh, i)
         if cfg.momentum:
@@ -422,8 +422,8 @@ def _bwd_kernel(r, cfg: _Cfg):
             if cfg.momentum:
                 new[m] = carry * x_w + mcarry * x(m)
             for name, value in new.items():
-                idx = (bh,) + _tile_index(name, cols)
-                r["g_" + name][idx] = value + load_f32(r["ds_" + name], (bh, i) + _tile_index(name, cols))
+                idx = (bh, i) + _tile_index(name, cols)
+                r["g_" + name][idx] = value + load_f32(r["ds_" + name], idx)
         _cta_barrier(cfg)
         return stuck
 
@@ -446,11 +446,12 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         ins["s_" + key], ins["ds_" + key], ins["df_" + key] = starts[i], d_starts[i], d_final[i]
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
     shapes = {"w0": (d, h), "w1": (h, dv), "m0": (d, h), "m1": (h, dv)}
-    outs = {**{"g_" + k: sds(BH, *shapes[k]) for k in keys},
-            "da": sds(BH, N, tiles, n, d), "dt": sds(BH, N, n, dv), "drows": sds(BH, N, tiles, n),
-            "ddecay": sds(BH, N, tiles)}
+    outs = {**{"g_" + k: sds(BH, N + 1, *shapes[k]) for k in keys},
+            # â per tile in the sources' dtype: its sum is returned in that dtype anyway
+            "da": jax.ShapeDtypeStruct((BH, N, tiles, n, d), a.dtype), "dt": sds(BH, N, n, dv),
+            "drows": sds(BH, N, tiles, n)}
     if cfg.momentum:
-        outs.update(dmrows=sds(BH, N, tiles, n), dcarry=sds(BH, N, tiles), dmcarry=sds(BH, N, tiles))
+        outs.update(dmrows=sds(BH, N, tiles, n))
     outs.update(share=sds(BH, 2, tiles, n, dv), count=jax.ShapeDtypeStruct((BH,), jnp.int32))
     in_names, out_names = list(ins) + ["count_in"], list(outs)
 
@@ -464,10 +465,18 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         interpret=cfg.interpret, name="mlp_state_pass_gpu_bwd",
     )(*ins.values(), jnp.zeros((BH,), jnp.int32))
     res = dict(zip(out_names, res))
-    d_first = MLPStates(*(res.get("g_" + k) for k in ("w0", "w1", "m0", "m1")))
-    over_tiles = lambda key: None if key not in res else jnp.sum(res[key], axis=2)
+    kept = MLPStates(*(res.get("g_" + k) for k in ("w0", "w1", "m0", "m1")))    # [BH, N + 1, ...]
+    d_first = MLPStates(*(None if g is None else g[:, 0] for g in kept))
+    ends = MLPStates(*(None if g is None else g[:, 1:] for g in kept))         # chunk i's end state's
+    dot = lambda u, v: jnp.sum(u * v, axis=(2, 3))
+    d_decay = dot(ends.w0, starts.w0) + dot(ends.w1, starts.w1)
+    d_carry = d_mcarry = None
+    if cfg.momentum:
+        d_carry = dot(ends.w0, starts.m0) + dot(ends.w1, starts.m1)
+        d_mcarry = dot(ends.m0, starts.m0) + dot(ends.m1, starts.m1)
+    over_tiles = lambda key: None if key not in res else jnp.sum(res[key].astype(F32), axis=2)
     return (d_first, over_tiles("da").astype(a.dtype), res["dt"], over_tiles("drows"), over_tiles("dmrows"),
-            over_tiles("ddecay"), over_tiles("dcarry"), over_tiles("dmcarry"))
+            d_decay, d_carry, d_mcarry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
