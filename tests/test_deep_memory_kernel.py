@@ -87,21 +87,25 @@ def test_kernel_equals_reference_states_and_gradients(momentum, residual, activa
         assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
 
 
-@pytest.mark.parametrize("kernel,backward", [("gpu", "kernel"), ("gpu", "xla"), ("tpu", None)])
+@pytest.mark.parametrize("kernel,backward,dtype", [("gpu", "kernel", jnp.float32), ("gpu", "xla", jnp.float32),
+                                                   ("tpu", None, jnp.float32), ("gpu", "kernel", jnp.bfloat16)])
 @pytest.mark.parametrize("momentum,residual", [(True, False), (False, True)])
-def test_kernel_returns_the_source_pass(kernel, backward, momentum, residual):
+def test_kernel_returns_the_source_pass(kernel, backward, dtype, momentum, residual):
     """sources=True: every chunk's H, D and Y as the kernel formed them (the GPU kernel's backward
-    takes their cotangents in its own pass) equal the reference's, and so does every gradient of
-    a loss that reads them next to the states."""
-    args = _operands(13, momentum=momentum, N=4)
+    takes their cotangents in its own pass; H and D in the sources' dtype) equal the reference's,
+    and so does every gradient of a loss that reads them next to the states; bf16 sources against
+    the float32 reference at 2e-2 (5e-2 gradients), as elsewhere here."""
+    args = _operands(13, momentum=momentum, N=4, dtype=dtype)
+    ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
     run = mlp_state_pass if backward is None else functools.partial(
         mlp_state_pass, block_sizes=MLPGpuBlockSizes(backward=backward))
-    want = _states_and_grads("chunk", args, activation="gelu", residual=residual, sources=True)
+    want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual, sources=True)
     got = _states_and_grads("pallas", args, activation="gelu", residual=residual, kernel=kernel, run=run,
                             sources=True)
-    assert len(got[0]) == 3 and tree_rel(got[0], want[0]) <= TOL
+    tol = TOL if dtype == jnp.float32 else 2e-2
+    assert len(got[0]) == 3 and tree_rel(got[0], want[0]) <= tol
     for index, (g, g_r) in enumerate(zip(got[1], want[1])):
-        assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
+        assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -11,8 +11,8 @@ columns, W1's rows and the momentum's, for all N chunks of its head. Per chunk, 
     m0_j' = μ m0_j + aᵀ (ρ ⊙ D_j),            m1_j' = μ m1_j + H_jᵀ (ρ ⊙ E)
 
 Every chunk's start state and Y are kept (outputs: the dual form's reads and the backward need
-them); with ``sources`` H_j and D_j too (the reads' source pass: `state_pass.MLPSources`, whose
-cotangents join A_j, Ĥ_j and Ê below). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j
+them); with ``sources`` H_j and D_j too, in the sources' dtype (the reads' source pass:
+`state_pass.MLPSources`, whose cotangents join A_j, Ĥ_j and Ê below). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j
 (momentum) of tile j, and G_j = E W1_jᵀ:
 
     A_j = r ⊙ (a X0_j) + ρ ⊙ (a M0_j)           (D_j's cotangent),  Q_j = A_j ⊙ σ'(Z_j)
@@ -257,7 +257,7 @@ def _fwd_kernel(r, cfg: _Cfg):
         z = mm_(a, start("w0"))
         hidden, slope = act_and_grad(cfg.activation, z)
         if cfg.sources:
-            r["o_hidden"][bh, i, :, cols] = hidden
+            r["o_hidden"][bh, i, :, cols] = hidden.astype(r["o_hidden"].dtype)
         slot = lax.rem(i, 2)
         r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start("w1"))
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (i + 1)))
@@ -275,7 +275,7 @@ def _fwd_kernel(r, cfg: _Cfg):
         decay = _scalar(r["decay"], bh, i)
         d0 = mm_nt_(e, start("w1")) * slope
         if cfg.sources:
-            r["o_d0"][bh, i, :, cols] = d0
+            r["o_d0"][bh, i, :, cols] = d0.astype(r["o_d0"].dtype)
 
         def put(name, value):   # chunk i + 1's start, or the final state after the last chunk
             @pl.when(i + 1 < N)
@@ -319,7 +319,10 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
             "y": sds(BH, N, n, dv), "share": sds(BH, 2, cfg.tiles, n, dv),
             "count": jax.ShapeDtypeStruct((BH,), jnp.int32)}
     if cfg.sources:
-        outs.update(o_hidden=sds(BH, N, n, h), o_d0=sds(BH, N, n, h))
+        # H and D in the sources' dtype: halves their stores and the backward's cotangent loads
+        # (titans' layer, B4 T4096 bf16, H200: 22.58 against 23.28 ms, one process)
+        per_source = jax.ShapeDtypeStruct((BH, N, n, h), a.dtype)
+        outs.update(o_hidden=per_source, o_d0=per_source)
     in_names, out_names = list(ins) + ["count_in"], list(outs)
 
     def kernel(*refs):

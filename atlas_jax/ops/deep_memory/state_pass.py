@@ -156,8 +156,9 @@ def mlp_state_pass(state: MLPStates, a, targets, rows, momentum_rows=None, decay
     float32.
 
     sources=True also returns every chunk's `MLPSources` (differentiable too): the GPU kernel
-    keeps the ones it forms (its backward takes their cotangents in the same pass), the others
-    form them from the start states (`mlp_sources_from_starts`)."""
+    keeps the ones it forms (H and D in a's dtype, Y float32; its backward takes their cotangents
+    in the same pass), the others form them from the start states (`mlp_sources_from_starts`,
+    float32)."""
     if impl not in IMPLS:
         raise ValueError(f"mlp_state_pass: argument `impl` must be one of {IMPLS}; got {impl!r}.")
     if kernel is not None and kernel not in KERNELS:
