@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -179,10 +180,17 @@ def fla_inputs(B, T, H, D, device="cuda", V=None):
     return q, k, v, g, gk, beta, normal(B, T, H, V)
 
 
-def trace_kernels(call, trace_dir, *, calls=3, top=25):
+def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=()):
     """Runs ``call()`` (it blocks until its results are ready) ``calls`` times under
     jax.profiler.trace and sums the device-side events by name, per call: [(name, ms, count)],
-    largest first, plus the total. Reads the Perfetto trace JAX writes next to the xplane."""
+    largest first, plus the total. Reads the Perfetto trace JAX writes next to the xplane.
+
+    With ``hlo_text`` (the compiled program's ``as_text()``) and ``scopes`` (jax.named_scope names
+    in the traced code), also {"<scope> fwd" | "<scope> bwd" | "other": ms per call} as a third
+    result: an event's kernel is found by name among the HLO instructions (fusions keep their
+    names as kernel names, "." written "_") and its op_name metadata says the scope; "bwd" when
+    the op is in the transposed (backward) part. Custom kernels without HLO names count under
+    their own name."""
     import gzip
     import jax
 
@@ -192,14 +200,26 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25):
             call()
     paths = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not paths:
-        return [], 0.0
+        return ([], 0.0, {}) if scopes else ([], 0.0)
     events = json.load(gzip.open(paths[-1]))["traceEvents"]
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                    and "/device:" in str(e.get("args", {}).get("name", ""))}
+    device_events = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
     sums = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
-            ms, count = sums.get(e["name"], (0.0, 0))
-            sums[e["name"]] = (ms + e["dur"] / 1e3 / calls, count + 1)
+    for e in device_events:
+        ms, count = sums.get(e["name"], (0.0, 0))
+        sums[e["name"]] = (ms + e["dur"] / 1e3 / calls, count + 1)
     rows = sorted(((name, ms, count // calls) for name, (ms, count) in sums.items()), key=lambda r: -r[1])
-    return rows[:top], sum(ms for _, ms, _ in rows)
+    if not scopes:
+        return rows[:top], sum(ms for _, ms, _ in rows)
+    op_names = dict(re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text or ""))
+    by_scope = {}
+    for name, ms, _ in rows:
+        op = op_names.get(name) or op_names.get(re.sub(r"_(\d+)$", r".\1", name))
+        part = "other" if op else name
+        for scope in scopes if op else ():
+            if scope in op:
+                part = f"{scope} {'bwd' if '/transpose(' in op.split(scope)[0] else 'fwd'}"
+                break
+        by_scope[part] = by_scope.get(part, 0.0) + ms
+    return rows[:top], sum(ms for _, ms, _ in rows), by_scope

@@ -472,7 +472,10 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
     n_chunks = steps.active.shape[2] // b
     chunks = jax.tree.map(lambda x: x.reshape(x.shape[:2] + (n_chunks, b) + x.shape[3:]), steps)
     vmap2 = lambda f: jax.vmap(jax.vmap(f))
-    terms = vmap2(lambda st, xc: _split_terms(spec, opt_info, features, st, xc))(state, chunks)
+    # Named scopes: a profile of the call attributes its kernels to the three parts
+    # (benchmarks/deep_memory.py --trace).
+    with jax.named_scope("dual_terms"):
+        terms = vmap2(lambda st, xc: _split_terms(spec, opt_info, features, st, xc))(state, chunks)
 
     momentum = terms.momentum_rows is not None
     m = state.opt_state.momentum if momentum else None
@@ -484,10 +487,11 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
     # in the kernel (whose backward takes their cotangents), instead of again in XLA from the start
     # states. titans B4 T4096 H8 D128 bf16 fwd+bwd on an H200, alternated in one command: 24.8
     # against 27.5 ms, peak 6.11 against 6.44-6.65 GiB.
-    starts_k, final_k, sources = mlp_state_pass(
-        first, a, terms.src_targets, terms.state_rows[..., -1, :], terms.momentum_rows,
-        terms.from_start[..., -1], end(terms.state_carry), terms.momentum_carry,
-        activation=spec.memory.activation, residual=spec.memory.residual, impl="pallas", sources=True)
+    with jax.named_scope("dual_state_pass"):
+        starts_k, final_k, sources = mlp_state_pass(
+            first, a, terms.src_targets, terms.state_rows[..., -1, :], terms.momentum_rows,
+            terms.from_start[..., -1], end(terms.state_carry), terms.momentum_carry,
+            activation=spec.memory.activation, residual=spec.memory.residual, impl="pallas", sources=True)
 
     def as_state(k, opt_state) -> MemoryState:
         if momentum:
@@ -498,7 +502,8 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
     per_chunk = jax.tree.map(lambda x: jnp.broadcast_to(x[:, :, None], x.shape[:2] + (n_chunks,) + x.shape[2:]),
                              state.opt_state)
     starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
-    outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src))(starts, final, terms, sources)
+    with jax.named_scope("dual_reads"):
+        outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src))(starts, final, terms, sources)
     window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
     outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])
     return final._replace(window=window), outputs
