@@ -12,8 +12,9 @@ columns, W1's rows and the momentum's, for all N chunks of its head. Per chunk, 
 
 Every chunk's start state and Y are kept (outputs: the dual form's reads and the backward need
 them); with ``sources`` H_j and D_j too, in the sources' dtype (the reads' source pass:
-`state_pass.MLPSources`, whose cotangents join A_j, Ĥ_j and Ê below). Backward, chunks from the last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j
-(momentum) of tile j, and G_j = E W1_jᵀ:
+`state_pass.MLPSources`, whose cotangents join A_j, Ĥ_j and Ê below). Backward, chunks from the
+last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j (momentum) of tile j, and
+G_j = E W1_jᵀ:
 
     A_j = r ⊙ (a X0_j) + ρ ⊙ (a M0_j)           (D_j's cotangent),  Q_j = A_j ⊙ σ'(Z_j)
     Ê_share_j = r ⊙ (H_j X1_j) + ρ ⊙ (H_j M1_j) + Q_j W1_j                  [grid barrier]
@@ -32,9 +33,10 @@ sources' dtype; summed in the kernel through the barrier's shares it was slower,
 24.54 ms for titans' layer below). The backward keeps every chunk's start-state cotangent
 ([B·H, N + 1, ...], the first the initial state's; 2.1 GB at B4 T4096 for titans) instead of one
 in place, so that the three scalar cotangents are one XLA pass rather than six tile products and
-full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with that pass. A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the
-barrier needs only a head's tiles resident at once, not the whole grid. A spin that reaches its cap
-(a deadlock) poisons that head's results with NaN rather than returning wrong numbers.
+full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with that pass.
+A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the barrier
+needs only a head's tiles resident at once, not the whole grid. A spin that reaches its cap (a
+deadlock) poisons that head's results with NaN rather than returning wrong numbers.
 
 Why persistent: the chunk recursion is sequential and its per-chunk work is small (titans: five
 64 × 128 × 512 products per head), so a scan in XLA is bound by launches and by copying the carried
