@@ -202,6 +202,22 @@ def test_memory_spec_on_the_kernel_equals_the_dual_form(name):
         assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
 
 
+def test_memory_spec_on_the_kernel_with_bf16_inputs():
+    """bf16 q, k, v through the kernel (what impl="auto" runs on a GPU: bf16 dots, the reads' H and
+    D from the kernel in bf16) against the dual form in float32 on the same bf16-rounded values:
+    outputs and final state at 2e-2, every gradient at 5e-2 (bf16 rounding in every dot)."""
+    spec = SPECS["titans"]()
+    q, k, v, knobs, state = _spec_inputs(spec, 15, T=45)
+    low = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+    with chunked.dual_form():
+        o_r, f_r, g_r = _spec_run(spec, "chunk", tuple(x.astype(jnp.float32) for x in low) + (knobs, state))
+        o, f, g = _spec_run(spec, "pallas", low + (knobs, state))
+    assert rel(o.astype(jnp.float32), o_r) <= 2e-2 and tree_rel(f, f_r) <= 2e-2
+    for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
+        a = jax.tree.map(lambda x: x.astype(jnp.float32), a)
+        assert tree_rel(a, b) <= 5e-2, (label, tree_rel(a, b))
+
+
 def test_memory_spec_on_the_kernel_with_extreme_gates():
     """titans with gates at their ends: decay α ≈ 1 and α = e^-30, momentum η at 0 and ≈ 1, step
     sizes 0 and 1 (token by token at random), through the kernel against the dual form."""
