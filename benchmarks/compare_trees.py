@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Is the speed unchanged between two source trees? Times the public ops of each, side by side.
+"""Is the speed unchanged between two source trees? Times the public ops (and deep-memory layers) of each, side by side.
 
 For a refactor or a kernel change: both trees are imported into one process in turn (each
 tree's ops compiled ahead of time before the next tree is imported), then timed in interleaved
@@ -10,6 +10,9 @@ load hit both alike. Reports each tree's median over rounds and the ratio to the
     git archive HEAD atlas_jax kernels | tar -x -C build/after
     python3 benchmarks/compare_trees.py --tree before=build/before --tree after=build/after \\
         --shape 4,4096,16,128 --ops gdn deltanet kda --rounds 5 2>&1 | tee $OUT/compare.log
+    # a deep-memory layer (deep_memory.py's entries, bf16 q/k/v, impl auto: the kernel route on a GPU)
+    python3 benchmarks/compare_trees.py --tree before=build/before --tree after=build/after \\
+        --shape 4,4096,8,128 --ops --presets titans --impl auto --rounds 3
 
 JSON of every round goes to --out (default $OUT) as compare_trees.json.
 """
@@ -21,6 +24,7 @@ import statistics
 import sys
 import time
 
+import deep_memory
 import timing
 
 
@@ -39,8 +43,10 @@ def main():
                     help="a source tree (holding atlas_jax/ and kernels/); the first is the "
                          "baseline; give two or more")
     ap.add_argument("--shape", type=timing.shape_arg, default=(4, 4096, 16, 128), help="B,T,H,D")
-    ap.add_argument("--ops", nargs="+", default=["gdn", "deltanet", "kda"],
+    ap.add_argument("--ops", nargs="*", default=["gdn", "deltanet", "kda"],
                     choices=sorted(timing.GATE_OF))
+    ap.add_argument("--presets", nargs="*", default=[], choices=sorted(deep_memory.ENTRIES),
+                    help="deep-memory layers as deep_memory.py times them (bf16 q, k, v; chunk 64)")
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--impl", default="pallas", choices=["pallas", "chunk", "auto"])
     ap.add_argument("--rounds", type=int, default=5)
@@ -59,6 +65,17 @@ def main():
     for name, root in trees:
         t0 = time.perf_counter()
         ops = timing.import_tree(root)
+        for preset in args.presets:   # inputs per tree: the state comes from the tree's own spec
+            spec = deep_memory.build(preset)
+            q, k, v, knobs, state, do = deep_memory.inputs(spec, B, T, H, D, dtype="bfloat16")
+            fwd = jax.jit(deep_memory.forward_fn(spec, 64, args.impl))
+            fwdbwd = deep_memory.fwdbwd_fn(spec, 64, args.impl)
+            for mode, fn, a in (("fwd", fwd, (q, k, v, knobs, state.params, state)),
+                                ("fwdbwd", fwdbwd, (q, k, v, knobs, state, do))):
+                if mode in args.modes:
+                    exe = fn.lower(*a).compile()
+                    jax.block_until_ready(exe(*a))
+                    compiled[(name, preset, mode)] = (exe, a)
         for op in args.ops:
             fwd, fwdbwd = timing.op_fns(ops, op, args.impl)
             q, k, v, beta, g, do = inputs[op]
@@ -76,7 +93,7 @@ def main():
                "shape": args.shape, "impl": args.impl, "rounds": {}}
     rounds = results["rounds"]
     for r in range(args.rounds):
-        for op in args.ops:
+        for op in args.ops + args.presets:
             for mode in args.modes:
                 for name, _ in trees:
                     exe, a = compiled[(name, op, mode)]
@@ -89,7 +106,7 @@ def main():
     timing.log(f"\n=== {device.device_kind}, B{B} T{T} H{H} D{D} bf16, impl={args.impl}: median "
                f"over {args.rounds} interleaved rounds (ms); ratio = tree / {base} ===")
     summary = results["median_ms"] = {}
-    for op in args.ops:
+    for op in args.ops + args.presets:
         for mode in args.modes:
             row, ref = [f"{op:9s} {mode:7s}"], statistics.median(rounds[f"{op}/{mode}/{base}"])
             for name, _ in trees:
