@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Is the speed unchanged between two source trees? Times the public ops (and deep-memory layers) of each, side by side.
+"""Is the speed unchanged between two source trees? Times ops and deep-memory layers side by side.
 
 For a refactor or a kernel change: both trees are imported into one process in turn (each
 tree's ops compiled ahead of time before the next tree is imported), then timed in interleaved
