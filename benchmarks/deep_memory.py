@@ -48,8 +48,6 @@ ENTRIES = {   # entry name -> (preset, preset options, what the table says)
 TORCH_ENTRY = "titans_pytorch"
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
 SLOW_CALL_S = 2.0
-# jax.named_scope names in atlas_jax.forms.dual's kernel route; --trace sums kernel time by them
-TRACE_SCOPES = ("dual_terms", "dual_state_pass", "dual_reads")
 
 
 def build(name):
@@ -140,8 +138,9 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
             ms = time_jax(compiled, *args, reps=reps)
         row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
         if trace_dir:   # where the time goes: device kernels summed by name and by the dual form's part
+            from atlas_jax.forms.dual import SCOPES
             kernels, total, parts = trace_kernels(lambda: jax.block_until_ready(call()), trace_dir,
-                                                  hlo_text=compiled.as_text(), scopes=TRACE_SCOPES)
+                                                  hlo_text=compiled.as_text(), scopes=tuple(SCOPES.values()))
             row["trace_total_ms"] = total
             row["trace_top"] = [(name[:90], round(ms, 3), count) for name, ms, count in kernels]
             row["trace_parts_ms"] = {part: round(ms, 3) for part, ms in sorted(parts.items(), key=lambda p: -p[1])}

@@ -182,12 +182,13 @@ def fla_inputs(B, T, H, D, device="cuda", V=None):
 
 def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=()):
     """Runs ``call()`` (it blocks until its results are ready) ``calls`` times under
-    jax.profiler.trace and sums the device-side events by name, per call: [(name, ms, count)],
-    largest first, plus the total. Reads the Perfetto trace JAX writes next to the xplane.
+    jax.profiler.trace and sums the device-side events by name, per call: returns ([(name, ms,
+    count)] largest first, the total, {part: ms}). Reads the Perfetto trace JAX writes next to the
+    xplane.
 
-    With ``hlo_text`` (the compiled program's ``as_text()``) and ``scopes`` (jax.named_scope names
-    in the traced code), also {"<scope> fwd" | "<scope> bwd" | "other": ms per call} as a third
-    result: an event's kernel is found by name among the HLO instructions (fusions keep their
+    The parts: with ``hlo_text`` (the compiled program's ``as_text()``) and ``scopes``
+    (jax.named_scope names in the traced code), {"<scope> fwd" | "<scope> bwd" | "other": ms per
+    call}; else empty: an event's kernel is found by name among the HLO instructions (fusions keep their
     names as kernel names, "." written "_") and its op_name metadata says the scope; "bwd" when
     the op is in the transposed (backward) part. Custom kernels without HLO names count under
     their own name."""
@@ -200,7 +201,7 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
             call()
     paths = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not paths:
-        return ([], 0.0, {}) if scopes else ([], 0.0)
+        return [], 0.0, {}
     events = json.load(gzip.open(paths[-1]))["traceEvents"]
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                    and "/device:" in str(e.get("args", {}).get("name", ""))}
@@ -210,8 +211,9 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
         ms, count = sums.get(e["name"], (0.0, 0))
         sums[e["name"]] = (ms + e["dur"] / 1e3 / calls, count + 1)
     rows = sorted(((name, ms, count // calls) for name, (ms, count) in sums.items()), key=lambda r: -r[1])
+    total = sum(ms for _, ms, _ in rows)
     if not scopes:
-        return rows[:top], sum(ms for _, ms, _ in rows)
+        return rows[:top], total, {}
     op_names = dict(re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text or ""))
     by_scope = {}
     for name, ms, _ in rows:
@@ -222,4 +224,4 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
                 part = f"{scope} {'bwd' if '/transpose(' in op.split(scope)[0] else 'fwd'}"
                 break
         by_scope[part] = by_scope.get(part, 0.0) + ms
-    return rows[:top], sum(ms for _, ms, _ in rows), by_scope
+    return rows[:top], total, by_scope

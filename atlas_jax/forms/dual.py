@@ -77,6 +77,9 @@ GROUP_TOKENS = 1024
 # and saves little).
 CHUNK_UNROLL = 4
 UNROLL_MIN_CHUNKS = 16
+# jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
+# kernels to them (benchmarks/deep_memory.py --trace).
+SCOPES = {"terms": "dual_terms", "state_pass": "dual_state_pass", "reads": "dual_reads"}
 
 
 def _memory_has_linear_layers(memory, params, d_in) -> bool:
@@ -472,9 +475,7 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
     n_chunks = steps.active.shape[2] // b
     chunks = jax.tree.map(lambda x: x.reshape(x.shape[:2] + (n_chunks, b) + x.shape[3:]), steps)
     vmap2 = lambda f: jax.vmap(jax.vmap(f))
-    # Named scopes: a profile of the call attributes its kernels to the three parts
-    # (benchmarks/deep_memory.py --trace).
-    with jax.named_scope("dual_terms"):
+    with jax.named_scope(SCOPES["terms"]):
         terms = vmap2(lambda st, xc: _split_terms(spec, opt_info, features, st, xc))(state, chunks)
 
     momentum = terms.momentum_rows is not None
@@ -487,7 +488,7 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
     # in the kernel (whose backward takes their cotangents), instead of again in XLA from the start
     # states. titans B4 T4096 H8 D128 bf16 fwd+bwd on an H200, alternated in one command: 24.8
     # against 27.5 ms, peak 6.11 against 6.44-6.65 GiB.
-    with jax.named_scope("dual_state_pass"):
+    with jax.named_scope(SCOPES["state_pass"]):
         starts_k, final_k, sources = mlp_state_pass(
             first, a, terms.src_targets, terms.state_rows[..., -1, :], terms.momentum_rows,
             terms.from_start[..., -1], end(terms.state_carry), terms.momentum_carry,
@@ -502,7 +503,7 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
     per_chunk = jax.tree.map(lambda x: jnp.broadcast_to(x[:, :, None], x.shape[:2] + (n_chunks,) + x.shape[2:]),
                              state.opt_state)
     starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
-    with jax.named_scope("dual_reads"):
+    with jax.named_scope(SCOPES["reads"]):
         outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src))(starts, final, terms, sources)
     window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
     outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])
