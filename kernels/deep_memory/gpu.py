@@ -31,9 +31,10 @@ double-buffered [2, tiles] slot per head and a grid barrier (an atomic counter p
 with atomic reads); those that do not (â, r̂, ρ̂) are written per tile and summed in XLA (â in the
 sources' dtype; summed in the kernel through the barrier's shares it was slower, 24.97 against
 24.54 ms for titans' layer below). The backward keeps every chunk's start-state cotangent
-([B·H, N + 1, ...], the first the initial state's; 2.1 GB at B4 T4096 for titans) instead of one
-in place, so that the three scalar cotangents are one XLA pass rather than six tile products and
-full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with that pass.
+([B·H, N, ...], written over the start states' own cotangents, the first the initial state's)
+instead of one in place, so that the three scalar cotangents are one XLA pass rather than six tile
+products and full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with
+that pass.
 A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the barrier
 needs only a head's tiles resident at once, not the whole grid. A spin that reaches its cap (a
 deadlock) poisons that head's results with NaN rather than returning wrong numbers.
@@ -351,20 +352,22 @@ def _bwd_kernel(r, cfg: _Cfg):
     j, bh, cols, names, (mm_, mm_nt_, mm_tn_, operand) = _program(cfg)
     N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
 
-    # Every chunk's start-state cotangent is kept, g_[i] for chunk i, g_[N] the final state's: the
-    # decay's and momentum coefficients' cotangents <X, θ>, <X, m>, <M, m> are then one XLA pass
-    # over them and the kept start states, not six tile products and reductions per chunk here.
-    for name in names:
-        r["g_" + name][(bh, N) + _tile_index(name, cols)] = load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
-    _cta_barrier(cfg)
+    # Every chunk's start-state cotangent is kept, g_[i] for chunk i, written over the cotangent
+    # the start state received directly (ds_[i], the same buffer: read just before), so that the
+    # decay's and momentum coefficients' cotangents <X, θ>, <X, m>, <M, m> are one XLA pass over
+    # them and the kept start states, not six tile products and reductions per chunk here.
 
-    def chunk(k, stuck):
+    def chunk(k, stuck, last):
         i = N - 1 - k
         # Tiles are loaded where they are used, again where used again (the forward kernel's note):
-        # the start state's from s_, the carried cotangent X / M from g_ (this program's own writes
-        # of the chunk before, behind the CTA barrier).
+        # the start state's from s_, the carried cotangent X / M (chunk i's end state's) from df_
+        # for the last chunk, else from g_[i + 1] (this program's own writes of the chunk before,
+        # behind the CTA barrier).
         st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
-        x = lambda name: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols))
+        if last:
+            x = lambda name: load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
+        else:
+            x = lambda name: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols))
         a = r["a"][bh, i, :, :]
         a = a if cfg.low else a.astype(F32)
         e = operand(load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_)))
@@ -416,8 +419,7 @@ def _bwd_kernel(r, cfg: _Cfg):
         decay = _scalar(r["decay"], bh, i)
         if cfg.momentum:
             carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
-        # + the cotangent chunk i's start state receives directly; a layer's X and M are read before
-        # either is overwritten
+        # + the cotangent chunk i's start state receives directly
         owns = {"0": lambda: mm_tn_(a, operand(z_hat)),
                 "1": lambda: mm_tn_(operand(q), e) + mm_tn_(operand(hidden), operand(e_hat))}
         for layer, own in owns.items():
@@ -432,7 +434,9 @@ def _bwd_kernel(r, cfg: _Cfg):
         _cta_barrier(cfg)
         return stuck
 
-    lax.fori_loop(0, N, chunk, jnp.bool_(False))
+    # the last chunk peeled (its X is d_final's), the others in the loop
+    stuck = chunk(0, jnp.bool_(False), last=True)
+    lax.fori_loop(1, N, functools.partial(chunk, last=False), stuck)
 
 
 def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, mcarry, d_starts, d_final,
@@ -451,7 +455,7 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         ins["s_" + key], ins["ds_" + key], ins["df_" + key] = starts[i], d_starts[i], d_final[i]
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
     shapes = {"w0": (d, h), "w1": (h, dv), "m0": (d, h), "m1": (h, dv)}
-    outs = {**{"g_" + k: sds(BH, N + 1, *shapes[k]) for k in keys},
+    outs = {**{"g_" + k: sds(BH, N, *shapes[k]) for k in keys},
             # â per tile in the sources' dtype: its sum is returned in that dtype anyway
             "da": jax.ShapeDtypeStruct((BH, N, tiles, n, d), a.dtype), "dt": sds(BH, N, n, dv),
             "drows": sds(BH, N, tiles, n)}
@@ -463,22 +467,29 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
     def kernel(*refs):
         _bwd_kernel(dict(zip(in_names + out_names, refs)), cfg)
 
+    # g_ is written over ds_ (no second [B·H, N, ...] buffer per state)
+    aliases = {list(ins).index("ds_" + k): out_names.index("g_" + k) for k in keys}
     res = pl.pallas_call(
         kernel, grid=(tiles, BH), out_shape=list(outs.values()),
-        input_output_aliases={len(ins): out_names.index("count")},
+        input_output_aliases={**aliases, len(ins): out_names.index("count")},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=1),
         interpret=cfg.interpret, name="mlp_state_pass_gpu_bwd",
     )(*ins.values(), jnp.zeros((BH,), jnp.int32))
     res = dict(zip(out_names, res))
-    kept = MLPStates(*(res.get("g_" + k) for k in ("w0", "w1", "m0", "m1")))    # [BH, N + 1, ...]
+    kept = MLPStates(*(res.get("g_" + k) for k in ("w0", "w1", "m0", "m1")))    # [BH, N, ...]
     d_first = MLPStates(*(None if g is None else g[:, 0] for g in kept))
-    ends = MLPStates(*(None if g is None else g[:, 1:] for g in kept))         # chunk i's end state's
-    dot = lambda u, v: jnp.sum(u * v, axis=(2, 3))
-    d_decay = dot(ends.w0, starts.w0) + dot(ends.w1, starts.w1)
+
+    def dot(name, state):
+        """<chunk i's end-state cotangent of `name`, chunk i's start `state`> for every i [BH, N]."""
+        g, end, v = getattr(kept, name), getattr(d_final, name), getattr(starts, state)
+        inner = jnp.sum(g[:, 1:] * v[:, :-1], axis=(2, 3))
+        return jnp.concatenate([inner, jnp.sum(end * v[:, -1], axis=(1, 2))[:, None]], axis=1)
+
+    d_decay = dot("w0", "w0") + dot("w1", "w1")
     d_carry = d_mcarry = None
     if cfg.momentum:
-        d_carry = dot(ends.w0, starts.m0) + dot(ends.w1, starts.m1)
-        d_mcarry = dot(ends.m0, starts.m0) + dot(ends.m1, starts.m1)
+        d_carry = dot("w0", "m0") + dot("w1", "m1")
+        d_mcarry = dot("m0", "m0") + dot("m1", "m1")
     over_tiles = lambda key: None if key not in res else jnp.sum(res[key].astype(F32), axis=2)
     return (d_first, over_tiles("da").astype(a.dtype), res["dt"], over_tiles("drows"), over_tiles("dmrows"),
             d_decay, d_carry, d_mcarry)
