@@ -19,6 +19,7 @@ from atlas_jax import optimizers as opt
 from atlas_jax import presets
 from atlas_jax import retention as ret
 from atlas_jax.forms import chunked, dual
+from atlas_jax.forms.common import Features
 
 
 def _spec(name):
@@ -208,6 +209,24 @@ def test_specs_outside_the_dual_form_stay_on_the_materialising_form():
     assert not dual.covers(per_token_map, state_of(per_token_map), steps)
     assert not dual.covers(_spec("titans"), state_of(_spec("titans")), channel_beta)
     assert dual.covers(_spec("titans"), state_of(_spec("titans")), steps)
+
+
+@pytest.mark.parametrize("name,chunk,T", [("omeganet", 16, 41), ("atlas", 8, 29)])
+def test_zero_features_that_align_the_feature_width_change_nothing(name, chunk, T, monkeypatch):
+    """φ padded with zero features to a multiple of FEATURE_ALIGN (8385 -> 8448 at degree 2, d 128)
+    inside the form: outputs, final states (sliced back) and gradients as the materialising form.
+    Forced here at the test's width (φ 15 wide, padded to 16), where the default does not pad."""
+    monkeypatch.setattr(dual, "FEATURE_ALIGN", 8)
+    monkeypatch.setattr(dual, "FEATURE_PAD_MAX_FRACTION", 1.0)
+    spec = _spec(name)
+    K, V = 4, 4
+    args = _inputs(spec, 0, 1, T, 2, K, V, per_position_gates=name == "omeganet")
+    one = jax.tree.map(lambda x: x[0, 0], args[4])
+    features = Features(spec.feature_map, args[5])
+    assert features.output_dim(K) % 8 != 0
+    raw_steps = _one_sequence_steps(spec, K, V, T)._replace(inputs=jnp.ones((T, K)), queries=jnp.ones((T, K)))
+    assert dual._aligned_features(spec, one, raw_steps, features) is not None
+    _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
 
 
 def test_no_intermediate_of_chunk_times_theta_size_in_forward_or_backward():
