@@ -248,15 +248,49 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None) ->
         reads_end=reads_end, next_window=next_window)
 
 
-def source_pass(spec, params0, terms: ChunkTerms):
+def first_layer_keys(memory, params, width: int) -> frozenset:
+    """The weights that multiply the memory's input itself (the first layer, a skip map)."""
+    first = set()
+
+    def run(x):
+        def matmul(key, h):
+            if h is x:
+                first.add(key)
+            return h @ jnp.zeros((h.shape[-1],) + jnp.shape(params[key])[1:], h.dtype)
+        return memory.apply_linear(x, matmul)
+
+    jax.eval_shape(run, jax.ShapeDtypeStruct((1, width), jnp.float32))
+    return frozenset(first)
+
+
+def first_layer_products(spec, params0, terms: ChunkTerms):
+    """The sources' and the queries' products with every first-layer weight, one matmul each
+    ({key: ([n, ·], [b, ·])}): θ's widest rows are read once a chunk rather than twice, and the
+    backward pass forms their cotangent in one product rather than two and a sum. omeganet and
+    atlas (first layer [8448, 512] per head), B1 T1024 H8 D128 bf16 fwd+bwd on an H200,
+    interleaved in one command: 42.2 -> 40.3 ms and 182.1 -> 178.6."""
+    n = terms.src_inputs.shape[0]
+    both = jnp.concatenate([terms.src_inputs, terms.queries.astype(terms.src_inputs.dtype)])
+    out = {}
+    for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1]):
+        product = both @ params0[key]
+        out[key] = (product[:n], product[n:])
+    return out
+
+
+def source_pass(spec, params0, terms: ChunkTerms, first_products=None):
     """Every gradient source through the memory at θ₀ (decayed per source when forget-first): the
-    layer inputs a_s and the output cotangents δ_s of every weight, {key: [n, ·]} each."""
+    layer inputs a_s and the output cotangents δ_s of every weight, {key: [n, ·]} each.
+    ``first_products``: `first_layer_products` (the sources' part is used here)."""
     def tapped(offsets):
         layer_inputs = {}
 
         def matmul(key, h):
             layer_inputs[key] = h
-            y = h @ params0[key]
+            if first_products is not None and key in first_products and h is terms.src_inputs:
+                y = first_products[key][0]
+            else:
+                y = h @ params0[key]
             if terms.src_scale is not None:
                 y = terms.src_scale[:, None] * y
             return y + offsets[key]
@@ -305,13 +339,18 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
     return MemoryState(params_end, new_opt_state, acc_end if retention.has_map else None, carry.window)
 
 
-def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_inputs, cotangents):
+def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_inputs, cotangents,
+               first_products=None):
     """o_t = M_{θ_t}(φ(q_t)) for the chunk's steps without forming θ_t (the module docstring's
-    layer-by-layer product); steps that read the chunk-end state (``reads_end``) read ``params_end``."""
+    layer-by-layer product); steps that read the chunk-end state (``reads_end``) read ``params_end``.
+    ``first_products``: `first_layer_products` (the queries' part is used here)."""
     queries = terms.queries
 
     def read(key, h):
-        y = terms.from_start[:, None] * (h @ params0[key])
+        if first_products is not None and key in first_products and h is queries:
+            y = terms.from_start[:, None] * first_products[key][1]
+        else:
+            y = terms.from_start[:, None] * (h @ params0[key])
         if terms.state_carry is not None:
             y = y + terms.state_carry[:, None] * (h @ momentum0[key])
         # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
@@ -335,12 +374,14 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
         with jax.named_scope(SCOPES["chunk_terms"]):
             terms = chunk_terms(spec, opt_info, features, xc, carry.window)
     with jax.named_scope(SCOPES["chunk_source"]):
-        layer_inputs, cotangents = source_pass(spec, carry.params, terms)
+        first_products = first_layer_products(spec, carry.params, terms)
+        layer_inputs, cotangents = source_pass(spec, carry.params, terms, first_products)
     with jax.named_scope(SCOPES["chunk_end"]):
         new_state = chunk_end(spec, opt_info, carry, terms, layer_inputs, cotangents)
     momentum0 = None if terms.momentum_rows is None else carry.opt_state.momentum
     with jax.named_scope(SCOPES["chunk_read"]):
-        outputs = chunk_read(spec, carry.params, momentum0, new_state.params, terms, layer_inputs, cotangents)
+        outputs = chunk_read(spec, carry.params, momentum0, new_state.params, terms, layer_inputs, cotangents,
+                             first_products)
     new_state = new_state._replace(window=terms.next_window)
     if padding_chunks:
         # Whole chunks of padding (added to fill the last rematerialisation group) leave the state
