@@ -57,8 +57,8 @@ program win (29.5 against 34.8 ms for 256 chunks; XLA's reverse pass 31.3); at B
 four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's registers, and then
 256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count; and where even
 twice the programs fit, the backward takes tiles of 32 (B1 H8: 26.2 against 29.7 ms). titans' memory
-layer (bf16, forward+backward, B4 T4096 H8 D128): 23.3 ms against titans-pytorch's 98.1 in one
-command (2026-11-27; benchmarks/results/titans_sources_h200_2026-11-27.md); the XLA dual form
+layer (bf16, forward+backward, B4 T4096 H8 D128): 22.3 ms against titans-pytorch's 106.5 in one
+command (2026-11-27; benchmarks/results/deep_memory_dual_h200_2026-11-27.md); the XLA dual form
 33.6–34.0 in earlier commands. float32 sources with TF32 dots: forward level with
 XLA (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
 inputs only.
