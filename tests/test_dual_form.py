@@ -229,6 +229,26 @@ def test_zero_features_that_align_the_feature_width_change_nothing(name, chunk, 
     _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
 
 
+def test_weight_product_has_the_matmul_gradients_unbatched_and_vmapped():
+    """`dual.weight_product` (x @ w with the weight's cotangent formed [d, h]) has autodiff's
+    gradients of x @ w, float32 to rounding, also under vmap (the dual form runs per sequence and
+    head) and for bf16 x (the cotangents keep the operands' dtypes)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 7, 11))
+    w = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 11, 5))
+    g = jax.random.normal(jax.random.PRNGKey(2), (3, 2, 7, 5))
+    ours = jax.vjp(jax.vmap(jax.vmap(dual.weight_product)), x, w)
+    ref = jax.vjp(jnp.matmul, x, w)
+    assert rel(ours[0], ref[0]) < 1e-6
+    for a, b in zip(ours[1](g), ref[1](g)):
+        assert a.shape == b.shape and rel(a, b) < 1e-6
+    low = x[0, 0].astype(jnp.bfloat16)
+    out, pullback = jax.vjp(dual.weight_product, low, w[0, 0])
+    dx, dw = pullback(g[0, 0].astype(out.dtype))
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    ref_dx, ref_dw = jax.vjp(jnp.matmul, low.astype(jnp.float32), w[0, 0])[1](g[0, 0])
+    assert rel(dx.astype(jnp.float32), ref_dx) < 2e-2 and rel(dw, ref_dw) < 2e-2
+
+
 def test_no_intermediate_of_chunk_times_theta_size_in_forward_or_backward():
     """The traced program (forward and backward) has no array as large as [chunk, |θ|]; the
     materialising form does (the check can fail)."""

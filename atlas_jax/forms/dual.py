@@ -248,6 +248,31 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None) ->
         reads_end=reads_end, next_window=next_window)
 
 
+@jax.custom_vjp
+def weight_product(x, w):
+    """x @ w [n, h] for a weight w [d, h], whose cotangent xᵀ g is formed [d, h] as it is stored.
+    Autodiff's transpose of the product forms it [h, d] and transposes it: a state-sized copy per
+    product per chunk, which XLA keeps on a GPU (omeganet's first layer, [8448, 512] per head).
+    B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: omeganet 40.33 ->
+    39.66 ms, atlas 180.06 -> 179.05."""
+    return x @ w
+
+
+def _weight_product_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _weight_product_bwd(residuals, g):
+    x, w = residuals
+    g = g.astype(jnp.promote_types(x.dtype, w.dtype))
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))                   # [n, d]
+    dw = jax.lax.dot_general(x, g, (((x.ndim - 2,), (g.ndim - 2,)), ((), ())))         # [d, h]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+weight_product.defvjp(_weight_product_fwd, _weight_product_bwd)
+
+
 def first_layer_keys(memory, params, width: int) -> frozenset:
     """The weights that multiply the memory's input itself (the first layer, a skip map)."""
     first = set()
@@ -273,7 +298,7 @@ def first_layer_products(spec, params0, terms: ChunkTerms):
     both = jnp.concatenate([terms.src_inputs, terms.queries.astype(terms.src_inputs.dtype)])
     out = {}
     for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1]):
-        product = both @ params0[key]
+        product = weight_product(both, params0[key])
         out[key] = (product[:n], product[n:])
     return out
 
@@ -290,7 +315,7 @@ def source_pass(spec, params0, terms: ChunkTerms, first_products=None):
             if first_products is not None and key in first_products and h is terms.src_inputs:
                 y = first_products[key][0]
             else:
-                y = h @ params0[key]
+                y = weight_product(h, params0[key])
             if terms.src_scale is not None:
                 y = terms.src_scale[:, None] * y
             return y + offsets[key]
@@ -350,16 +375,17 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
         if first_products is not None and key in first_products and h is queries:
             y = terms.from_start[:, None] * first_products[key][1]
         else:
-            y = terms.from_start[:, None] * (h @ params0[key])
+            y = terms.from_start[:, None] * weight_product(h, params0[key])
         if terms.state_carry is not None:
-            y = y + terms.state_carry[:, None] * (h @ momentum0[key])
+            y = y + terms.state_carry[:, None] * weight_product(h, momentum0[key])
         # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
         gram = terms.first_gram if (terms.first_gram is not None and h is queries) else h @ layer_inputs[key].T
         return y + (terms.state_rows * gram) @ cotangents[key]
 
     outputs = spec.memory.apply_linear(queries, read)
     if spec.retention.has_map or inner_opt.info(spec.optimizer).kind == "muon":
-        outputs = jnp.where((terms.reads_end > 0)[:, None], spec.memory.apply(params_end, queries), outputs)
+        at_end = spec.memory.apply_linear(queries, lambda key, h: weight_product(h, params_end[key]))
+        outputs = jnp.where((terms.reads_end > 0)[:, None], at_end, outputs)
     return outputs
 
 
