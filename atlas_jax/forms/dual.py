@@ -462,10 +462,11 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         final, outputs = jax.lax.scan(chunk, state, chunks, unroll=unroll)
     else:   # two levels of rematerialisation: an outer scan over groups, the inner scan checkpointed
         grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group, b) + x.shape[1:]), padded)
-        # The grouped chunks' scan unrolled as the other (CHUNK_UNROLL): omeganet B1 T1024 H8 D128
-        # bf16 fwd+bwd on an H200, interleaved in one command, 45.1 -> 42.1 ms, atlas 190.2 -> 185.9.
-        inner_unroll = CHUNK_UNROLL if per_group >= UNROLL_MIN_CHUNKS else 1
-        group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs, unroll=inner_unroll))
+        # Not unrolled (CHUNK_UNROLL): on an H200 unrolling by 4 made omeganet B1 T1024 H8 D128 bf16
+        # fwd+bwd 45.1 -> 42.1 ms and atlas 190.2 -> 185.9, but XLA's compiled memory at B1 T4096
+        # grew by a constant 1.2 GiB (omeganet, 4.3 -> 5.5) and 7.4 GiB (atlas, 9.9 -> 17.3) per
+        # sequence: unrolled, the backward keeps several chunks' state-sized intermediates at once.
+        group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
         final, outputs = jax.lax.scan(group, state, grouped)
     outputs = outputs.reshape((n_groups * per_group * b,) + outputs.shape[-1:])
     return final, outputs if pad == 0 else outputs[:total]
