@@ -211,11 +211,13 @@ def test_specs_outside_the_dual_form_stay_on_the_materialising_form():
     assert dual.covers(_spec("titans"), state_of(_spec("titans")), steps)
 
 
-@pytest.mark.parametrize("name,chunk,T", [("omeganet", 16, 41), ("atlas", 8, 29)])
-def test_zero_features_that_align_the_feature_width_change_nothing(name, chunk, T, monkeypatch):
+@pytest.mark.parametrize("name,chunk,T,pads", [("omeganet", 16, 41, True), ("atlas", 8, 29, True),
+                                                ("yaad", 16, 33, False)])
+def test_zero_features_that_align_the_feature_width_change_nothing(name, chunk, T, pads, monkeypatch):
     """φ padded with zero features to a multiple of FEATURE_ALIGN (8385 -> 8448 at degree 2, d 128)
     inside the form: outputs, final states (sliced back) and gradients as the materialising form.
-    Forced here at the test's width (φ 15 wide, padded to 16), where the default does not pad."""
+    Forced here at the test's width (φ 15 wide, padded to 16), where the default does not pad.
+    yaad's identity residual (input width = output width) would become a skip map: not padded."""
     monkeypatch.setattr(dual, "FEATURE_ALIGN", 8)
     monkeypatch.setattr(dual, "FEATURE_PAD_MAX_FRACTION", 1.0)
     spec = _spec(name)
@@ -223,9 +225,9 @@ def test_zero_features_that_align_the_feature_width_change_nothing(name, chunk, 
     args = _inputs(spec, 0, 1, T, 2, K, V, per_position_gates=name == "omeganet")
     one = jax.tree.map(lambda x: x[0, 0], args[4])
     features = Features(spec.feature_map, args[5])
-    assert features.output_dim(K) % 8 != 0
+    assert features.output_dim(K) % 8 != 0 or not pads
     raw_steps = _one_sequence_steps(spec, K, V, T)._replace(inputs=jnp.ones((T, K)), queries=jnp.ones((T, K)))
-    assert dual._aligned_features(spec, one, raw_steps, features) is not None
+    assert (dual._aligned_features(spec, one, raw_steps, features) is not None) == pads
     _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
 
 

@@ -95,22 +95,30 @@ SCOPES = {"terms": "dual_terms", "state_pass": "dual_state_pass", "reads": "dual
           "chunk_source": "dual_chunk_source", "chunk_end": "dual_chunk_end", "chunk_read": "dual_chunk_read"}
 
 
-def _memory_has_linear_layers(memory, params, d_in) -> bool:
-    """Whether the memory exposes ``apply_linear`` and θ is exactly the weights it multiplies by."""
-    used = set()
+def _linear_layers(memory, params, d_in):
+    """(the weights that multiply the memory's input itself, every weight used) when ``apply_linear``
+    runs on a d_in-wide input with weights of these shapes (arrays or ShapeDtypeStructs), else None."""
+    first, used = set(), set()
 
-    def run(weights, x):
+    def run(x):
         def matmul(key, h):
             used.add(key)
-            return h @ weights[key]
+            if h is x:
+                first.add(key)
+            return h @ jnp.zeros(params[key].shape, jnp.float32)
         return memory.apply_linear(x, matmul)
 
-    shapes = {key: jax.ShapeDtypeStruct(jnp.shape(w), jnp.float32) for key, w in params.items()}
     try:
-        jax.eval_shape(run, shapes, jax.ShapeDtypeStruct((1, d_in), jnp.float32))
-    except (NotImplementedError, KeyError):
-        return False
-    return used == set(params)
+        jax.eval_shape(run, jax.ShapeDtypeStruct((1, d_in), jnp.float32))
+    except (NotImplementedError, KeyError):   # no linear layers; a weight that is not in params
+        return None
+    return frozenset(first), frozenset(used)
+
+
+def _memory_has_linear_layers(memory, params, d_in) -> bool:
+    """Whether the memory exposes ``apply_linear`` and θ is exactly the weights it multiplies by."""
+    layers = _linear_layers(memory, params, d_in)
+    return layers is not None and layers[1] == set(params)
 
 
 def covers(spec, state: MemoryState, steps: Steps, *, d_in: int | None = None) -> bool:
@@ -275,17 +283,8 @@ weight_product.defvjp(_weight_product_fwd, _weight_product_bwd)
 
 def first_layer_keys(memory, params, width: int) -> frozenset:
     """The weights that multiply the memory's input itself (the first layer, a skip map)."""
-    first = set()
-
-    def run(x):
-        def matmul(key, h):
-            if h is x:
-                first.add(key)
-            return h @ jnp.zeros((h.shape[-1],) + jnp.shape(params[key])[1:], h.dtype)
-        return memory.apply_linear(x, matmul)
-
-    jax.eval_shape(run, jax.ShapeDtypeStruct((1, width), jnp.float32))
-    return frozenset(first)
+    layers = _linear_layers(memory, params, width)
+    return frozenset() if layers is None else layers[0]
 
 
 def first_layer_products(spec, params0, terms: ChunkTerms):
@@ -505,29 +504,15 @@ def _aligned_features(spec, state: MemoryState, steps: Steps, features):
     if pad == 0 or pad > FEATURE_PAD_MAX_FRACTION * d_phi:
         return None
 
-    def first_layer_keys(width):
-        """The weights that take the memory's input itself, and every weight used, at this width."""
-        first, used = set(), set()
-
-        def run(x):
-            def matmul(key, h):
-                used.add(key)
-                if h is x:
-                    first.add(key)
-                shape = jnp.shape(state.params[key])
-                return h @ jnp.zeros((h.shape[-1],) + shape[1:], h.dtype)
-            return spec.memory.apply_linear(x, matmul)
-
-        try:
-            jax.eval_shape(run, jax.ShapeDtypeStruct((1, width), jnp.float32))
-        except KeyError:   # a weight only the padded width needs (an identity residual becomes a map)
-            return None
-        return first, used
-
-    first = first_layer_keys(d_phi)
-    if first is None or first_layer_keys(d_phi + pad) != first:
+    # The padded width must reach the same weights (an identity residual would need a skip map).
+    layers = _linear_layers(spec.memory, state.params, d_phi)
+    if layers is None:
         return None
-    first = first[0]
+    first = layers[0]
+    padded = {key: jax.ShapeDtypeStruct((w.shape[0] + pad,) + w.shape[1:], jnp.float32) if key in first else w
+              for key, w in state.params.items()}
+    if _linear_layers(spec.memory, padded, d_phi + pad) != layers:
+        return None
 
     def rows(tree, amount):
         def one(path, x):
