@@ -251,6 +251,31 @@ def test_weight_product_has_the_matmul_gradients_unbatched_and_vmapped():
     assert rel(dx.astype(jnp.float32), ref_dx) < 2e-2 and rel(dw, ref_dw) < 2e-2
 
 
+@pytest.mark.parametrize("name", ["omeganet", "dla"])
+def test_backward_transposes_no_weight_of_theta(name):
+    """θ's weight cotangents are formed in their stored [d_in, d_out] layout (`weight_product`):
+    the traced forward and backward program has no transpose of an array shaped like θ's first
+    layer ([d_φ, h] or [h, d_φ]; autodiff of x @ w forms [h, d_φ] and transposes it, a state-sized
+    copy per chunk on a GPU). Checked to fail with plain matmuls. (Not atlas: Newton–Schulz
+    transposes its tall momenta on purpose, `optimizers.newton_schulz`.)"""
+    spec = presets.get(name, hidden=24)
+    K = V = 8
+    q, k, v, knobs, state, feature_params = _inputs(spec, 0, 1, 40, 1, K, V)
+    d_phi = spec.feature_dim(K)   # 45
+
+    def loss(params):
+        o, _ = spec(q, k, v, **knobs, initial_state=state._replace(params=params), impl="chunk", chunk_size=8,
+                    feature_params=feature_params)
+        return jnp.sum(o)
+
+    with chunked.dual_form():
+        program = jax.jit(jax.grad(loss)).lower(state.params).as_text()
+    shapes = re.findall(r"stablehlo\.transpose [^\n]*?: \(tensor<([\dx]+)x\w+>\)", program)
+    assert shapes, "no transposes found: the pattern no longer matches the program text"
+    theta_like = [s for s in shapes if s.split("x")[-2:] in ([str(d_phi), "24"], ["24", str(d_phi)])]
+    assert not theta_like, theta_like
+
+
 def test_no_intermediate_of_chunk_times_theta_size_in_forward_or_backward():
     """The traced program (forward and backward) has no array as large as [chunk, |θ|]; the
     materialising form does (the check can fail)."""
