@@ -262,19 +262,22 @@ def weight_product(x, w):
     Autodiff's transpose of the product forms it [h, d] and transposes it: a state-sized copy per
     product per chunk, which XLA keeps on a GPU (omeganet's first layer, [8448, 512] per head).
     B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: omeganet 40.33 ->
-    39.66 ms, atlas 180.06 -> 179.05."""
+    39.66 ms, atlas 180.06 -> 179.05. Both operands 2-D (vmap for leading axes)."""
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"weight_product: arguments `x` [n, d] and `w` [d, h] must be 2-D (vmap over "
+                         f"leading axes); got shapes {tuple(x.shape)} and {tuple(w.shape)}.")
     return x @ w
 
 
 def _weight_product_fwd(x, w):
-    return x @ w, (x, w)
+    return weight_product(x, w), (x, w)
 
 
 def _weight_product_bwd(residuals, g):
     x, w = residuals
     g = g.astype(jnp.promote_types(x.dtype, w.dtype))
-    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))                   # [n, d]
-    dw = jax.lax.dot_general(x, g, (((x.ndim - 2,), (g.ndim - 2,)), ((), ())))         # [d, h]
+    dx = jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())))   # g wᵀ   [n, d]
+    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))   # xᵀ g   [d, h], as w is stored
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
