@@ -241,46 +241,56 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     low = NS_DTYPES[operand_dtype]
     mm = lambda u, v: jnp.matmul(u.astype(low), v.astype(low), preferred_element_type=jnp.float32)
     x = x.astype(jnp.float32)
+    # A tall matrix keeps its layout: its Gram matrix is XᵀX and the polynomial multiplies from the
+    # right (X (bA + cA²)ᵀ for the wide (bA + cA²) X), the same products without transposing a
+    # state-sized X twice per orthogonalisation.
     tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = jnp.swapaxes(x, -1, -2)
+    batch = tuple(range(x.ndim - 2))
+    row, col = x.ndim - 2, x.ndim - 1
+
+    def contract(u, v, u_axis, v_axis):   # Σ over one axis of each, batched over the leading axes
+        return jax.lax.dot_general(u.astype(low), v.astype(low), (((u_axis,), (v_axis,)), (batch, batch)),
+                                   preferred_element_type=jnp.float32)
+
+    gram_of = (lambda u: contract(u, u, row, row)) if tall else (lambda u: contract(u, u, col, col))
+    apply_left = (lambda left, u: contract(u, left, col, col)) if tall else mm
     # A zero momentum (an empty packed row, a token without gradient) must give a zero direction
     # and a finite gradient: √ has an infinite derivative at 0, so take it only where it is > 0.
     sq = jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
     norm = jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)
     x = x / (norm + eps)
-    short, long = x.shape[-2], x.shape[-1]
+    short, long = min(x.shape[-2:]), max(x.shape[-2:])
     if method == "auto":
         method = ("gram" if operand_dtype == "float32" and long >= _GRAM_MIN_ASPECT * short
                   and long * short >= _GRAM_MIN_SIZE else "direct")
     if method == "gram":
-        x = _newton_schulz_gram(x, steps, coefficients, mm)
-    else:
-        for _ in range(steps):
-            gram = mm(x, jnp.swapaxes(x, -1, -2))
-            x = a * x + mm(b * gram + c * mm(gram, gram), x)
-    return jnp.swapaxes(x, -1, -2) if tall else x
+        return _newton_schulz_gram(x, steps, coefficients, mm, gram_of, apply_left, short)
+    for _ in range(steps):
+        gram = gram_of(x)
+        x = a * x + apply_left(b * gram + c * mm(gram, gram), x)
+    return x
 
 
-def _newton_schulz_gram(x, steps, coefficients, mm):
-    """`newton_schulz`'s steps on a normalised wide x [..., n, m] through n × n matrices only."""
+def _newton_schulz_gram(x, steps, coefficients, mm, gram_of, apply_left, short):
+    """`newton_schulz`'s steps on a normalised x through short × short matrices only (``gram_of``:
+    its Gram matrix on the short side; ``apply_left(R, x)``: R X for a wide x, X Rᵀ for a tall one)."""
     a, b, c = coefficients
     t = lambda u: jnp.swapaxes(u, -1, -2)
-    eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
+    eye = jnp.eye(short, dtype=jnp.float32)
 
     def times_x(right, x):
         # R X as αX + (R − αI)X, α = tr(R)/n: R's scalar part (a^k on the small singular
         # directions, up to 3.4^5) stays out of the rounded matmul operands
-        alpha = jnp.trace(right, axis1=-2, axis2=-1)[..., None, None] / x.shape[-2]
-        return alpha * x + mm(right - alpha * eye, x)
+        alpha = jnp.trace(right, axis1=-2, axis2=-1)[..., None, None] / short
+        return alpha * x + apply_left(right - alpha * eye, x)
 
     restart = steps // 2 + 1 if steps >= 3 else None
-    gram0 = gram = mm(x, t(x))
+    gram0 = gram = gram_of(x)
     right = None                       # X_k = right @ X_0 (None: the identity)
     for k in range(steps):
         if k == restart:
             x = times_x(right, x)
-            gram0 = gram = mm(x, t(x))
+            gram0 = gram = gram_of(x)
             right = None
         poly = a * eye + b * gram + c * mm(gram, gram)
         right = poly if right is None else mm(poly, right)
