@@ -139,6 +139,9 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
         row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
         if trace_dir:   # where the time goes: device kernels summed by name and by the dual form's part
             from atlas_jax.forms.dual import SCOPES
+            os.makedirs(trace_dir, exist_ok=True)   # the optimized HLO: what the trace's fusion names are
+            with open(os.path.join(trace_dir, "fwdbwd_hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
             kernels, total, parts = trace_kernels(lambda: jax.block_until_ready(call()), trace_dir,
                                                   hlo_text=compiled.as_text(), scopes=tuple(SCOPES.values()))
             row["trace_total_ms"] = total
@@ -299,7 +302,8 @@ def main(argv=None):
     parser.add_argument("--root", default=None, help="checkout to import atlas_jax from (default: this one)")
     parser.add_argument("--trace", default=None,
                         help="folder for a jax.profiler trace of each entry's forward+backward; the row gets "
-                             "the device kernels' times summed by name (trace_top)")
+                             "the device kernels' times summed by name (trace_top); the optimized HLO of the forward+backward "
+                             "goes there too (fwdbwd_hlo.txt)")
     parser.add_argument("--out", default=None, help="folder for deep_memory.json / .md (default $OUT)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
