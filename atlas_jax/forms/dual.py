@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.forms.common import (
@@ -87,6 +88,15 @@ UNROLL_MIN_CHUNKS = 16
 # atlas (NS per chunk) 217.9 -> 190.2.
 FEATURE_ALIGN = 128
 FEATURE_PAD_MAX_FRACTION = 1 / 16
+# In the grouped scan the backward pass evaluates a chunk three times: the forward, the group's
+# rematerialised forward (for the chunks' start states) and the chunk's own rematerialisation (for
+# its residuals). The group's rematerialised forward therefore keeps the chunk's products with θ
+# that are not θ-sized (CHUNK_RESIDUAL, jax.ad_checkpoint.checkpoint_name: the first layer's
+# [n + b, h] products, the later layers' inputs and every layer's output cotangents), so the
+# chunk's rematerialisation skips them (above all the first layer's [n + b, d_φ] × [d_φ, h]);
+# φ itself is recomputed (cheap, and [n, d_φ] a chunk). Nothing θ-sized is kept: Newton–Schulz's
+# iterates are recomputed.
+CHUNK_RESIDUAL = "dual_chunk_residual"
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
 # The fused per-chunk scan's parts likewise (Newton–Schulz first: it is inside the chunk end).
@@ -391,6 +401,11 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
     return outputs
 
 
+def _kept(tree):
+    """``tree`` named CHUNK_RESIDUAL (kept by the grouped scan's rematerialised chunks)."""
+    return jax.tree.map(lambda x: checkpoint_name(x, CHUNK_RESIDUAL), tree)
+
+
 def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_chunks=True,
                terms: ChunkTerms | None = None):
     """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out]).
@@ -402,8 +417,10 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
         with jax.named_scope(SCOPES["chunk_terms"]):
             terms = chunk_terms(spec, opt_info, features, xc, carry.window)
     with jax.named_scope(SCOPES["chunk_source"]):
-        first_products = first_layer_products(spec, carry.params, terms)
+        first_products = _kept(first_layer_products(spec, carry.params, terms))
         layer_inputs, cotangents = source_pass(spec, carry.params, terms, first_products)
+        cotangents = _kept(cotangents)
+        layer_inputs = {key: h if key in first_products else _kept(h) for key, h in layer_inputs.items()}
     with jax.named_scope(SCOPES["chunk_end"]):
         new_state = chunk_end(spec, opt_info, carry, terms, layer_inputs, cotangents)
     momentum0 = None if terms.momentum_rows is None else carry.opt_state.momentum
@@ -455,7 +472,11 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         xc, terms = xs if hoist else (xs, None)
         return _one_chunk(spec, opt_info, features, carry, xc, padding_chunks=pad >= b, terms=terms)
 
-    chunk = jax.checkpoint(restarting_chunks(one, state, steps_of=lambda xs: xs[0] if hoist else xs))
+    chunk_body = restarting_chunks(one, state, steps_of=lambda xs: xs[0] if hoist else xs)
+    if per_group == 1:
+        chunk = jax.checkpoint(chunk_body)
+    else:
+        chunk = jax.checkpoint(chunk_body, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL))
     if per_group == 1:
         chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
         unroll = CHUNK_UNROLL if n_chunks >= UNROLL_MIN_CHUNKS else 1
