@@ -66,6 +66,3 @@ def test_degree_two_features_gradient_gathers_what_autodiff_scatters():
         low = x.astype(jnp.bfloat16)
         (ours_bf16,) = jax.vjp(lambda x: symmetric_power(x, 2), low)[1](cotangent.astype(jnp.bfloat16))
         assert ours_bf16.dtype == jnp.bfloat16 and rel(ours_bf16.astype(jnp.float32), ref) < 2e-2
-        # one token (no rows axis: the backward's other branch)
-        (one,) = jax.vjp(lambda x: symmetric_power(x, 2), x[0, 0])[1](cotangent[0, 0])
-        assert rel(one, ref[0, 0]) < 1e-6, (d, rel(one, ref[0, 0]))
