@@ -95,7 +95,9 @@ FEATURE_PAD_MAX_FRACTION = 1 / 16
 # [n + b, h] products, the later layers' inputs and every layer's output cotangents), so the
 # chunk's rematerialisation skips them (above all the first layer's [n + b, d_φ] × [d_φ, h]);
 # φ itself is recomputed (cheap, and [n, d_φ] a chunk). Nothing θ-sized is kept: Newton–Schulz's
-# iterates are recomputed.
+# iterates are recomputed. B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command:
+# omeganet 41.3 -> 36.2 ms, atlas 176.0 -> 177.9 (Newton–Schulz dominates it); compiled memory at
+# B1 T4096 +0.08 GiB (omeganet).
 CHUNK_RESIDUAL = "dual_chunk_residual"
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
