@@ -127,6 +127,33 @@ def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypa
         assert rel(a, b) < 1e-6, (path, rel(a, b))
 
 
+# omeganet in pairs runs with the slow set (three sub-chunks cover its code and more)
+SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="omeganet-C8-T45-S2"),
+               pytest.param("omeganet", 8, 45, 3, id="omeganet-C8-T45-S3"),
+               pytest.param("ttt_mlp_implicit", 4, 29, 2, id="ttt_mlp_implicit-C4-T29-S2")]
+
+
+@pytest.mark.parametrize("name,chunk,T,per_super", SUPER_CASES)
+def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chunk, T, per_super, monkeypatch):
+    """Where θ's chunk end is linear in the chunk's gradients (GD, implicit GD) the grouped scan
+    forms θ once per SUPER_CHUNK chunks, the later chunks taking their gradients at θ plus the
+    earlier chunks' low-rank updates. Groups of 3 chunks (rounded up to whole super-chunks), the
+    last group with whole chunks of padding; omeganet with its window, decay and per-position
+    gates, three sub-chunks too (with φ padded by zero features: `FEATURE_ALIGN`); implicit GD
+    without a feature map: outputs, states and gradients against the materialising form."""
+    if per_super == 3:
+        monkeypatch.setattr(dual, "FEATURE_ALIGN", 8)
+        monkeypatch.setattr(dual, "FEATURE_PAD_MAX_FRACTION", 1.0)
+    calls = []
+    super_chunk = dual._super_chunk
+    monkeypatch.setattr(dual, "_super_chunk", lambda *a, **kw: calls.append(1) or super_chunk(*a, **kw))
+    monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
+    monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
+    monkeypatch.setattr(dual, "SUPER_CHUNK", per_super)
+    _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
+    assert calls, "the super-chunk path did not run"
+
+
 def test_unrolled_chunk_scan_gives_the_same_results(monkeypatch):
     """At UNROLL_MIN_CHUNKS chunks or more the scan over chunks takes CHUNK_UNROLL chunks per
     iteration (fewer copies of the carried state): 18 chunks of 4 (not a multiple of the unroll,

@@ -21,7 +21,9 @@ chunk start and c_t the carried momentum's coefficient. A read never forms θ_t:
 The chunk-end θ (and momentum) is one matmul per weight. Nothing of size [b, |θ|] exists; the
 backward pass is JAX's autodiff with rematerialisation of each chunk and, for a large θ, of each
 group of chunks, so what it keeps is O(T·d) activations plus one state per group of chunks
-(``BOUNDARY_BYTES_PER_TOKEN``).
+(``BOUNDARY_BYTES_PER_TOKEN``). Where θ's chunk end is linear in the gradients (GD), the grouped
+scan forms θ once per ``SUPER_CHUNK`` chunks: a later chunk's gradients are taken at the earlier
+chunks' θ₀ plus their low-rank updates, by the same products as a read (`_super_chunk`).
 
 Feature maps: the form takes the raw k and scale·q (``features``, from MemorySpec) and forms φ
 chunk by chunk, inside the rematerialised chunk: φ(x) [b, d_φ] only where it meets θ₀ (x W₀, the
@@ -99,6 +101,15 @@ FEATURE_PAD_MAX_FRACTION = 1 / 16
 # omeganet 41.3 -> 36.2 ms, atlas 176.0 -> 177.9 (Newton–Schulz dominates it); compiled memory at
 # B1 T4096 +0.08 GiB (omeganet).
 CHUNK_RESIDUAL = "dual_chunk_residual"
+# Chunks per θ formed in the grouped scan where the chunk end is linear in the chunk's gradients
+# (GD; `_super_chunk`): chunk k of a super-chunk takes its gradients at θ_B plus the low-rank
+# updates of the chunks before it (the dual form's reads at one step), so θ-sized work — the chunk
+# end's product and decay, the scan's copies of the carried θ, the kept states and their
+# cotangents — is done once per SUPER_CHUNK chunks. The chunk-start scheme is unchanged. omeganet
+# B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: 38.26 -> 32.98 ms at 2; at
+# 2 / 4 / 8 (another command) 32.98 / 34.83 / 44.12 (the corrections' products with φ grow with the
+# chunks before); compiled memory at B1 T4096 4.42 -> 3.31 GiB (one kept θ per two chunks).
+SUPER_CHUNK = 2
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
 # The fused per-chunk scan's parts likewise (Newton–Schulz first: it is inside the chunk end).
@@ -317,10 +328,14 @@ def first_layer_products(spec, params0, terms: ChunkTerms):
     return out
 
 
-def source_pass(spec, params0, terms: ChunkTerms, first_products=None):
+def source_pass(spec, params0, terms: ChunkTerms, first_products=None, product=None):
     """Every gradient source through the memory at θ₀ (decayed per source when forget-first): the
     layer inputs a_s and the output cotangents δ_s of every weight, {key: [n, ·]} each.
-    ``first_products``: `first_layer_products` (the sources' part is used here)."""
+    ``first_products``: `first_layer_products` (the sources' part is used here). ``product``:
+    (key, h) ↦ h θ₀[key] where θ₀ is not ``params0`` itself (`_LowRankStart`; ``params0`` then
+    gives the weights' shapes)."""
+    product = product or (lambda key, h: weight_product(h, params0[key]))
+
     def tapped(offsets):
         layer_inputs = {}
 
@@ -329,7 +344,7 @@ def source_pass(spec, params0, terms: ChunkTerms, first_products=None):
             if first_products is not None and key in first_products and h is terms.src_inputs:
                 y = first_products[key][0]
             else:
-                y = weight_product(h, params0[key])
+                y = product(key, h)
             if terms.src_scale is not None:
                 y = terms.src_scale[:, None] * y
             return y + offsets[key]
@@ -379,17 +394,19 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
 
 
 def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_inputs, cotangents,
-               first_products=None):
+               first_products=None, product=None):
     """o_t = M_{θ_t}(φ(q_t)) for the chunk's steps without forming θ_t (the module docstring's
     layer-by-layer product); steps that read the chunk-end state (``reads_end``) read ``params_end``.
-    ``first_products``: `first_layer_products` (the queries' part is used here)."""
+    ``first_products``: `first_layer_products` (the queries' part is used here). ``product``: as
+    `source_pass`'s (without momentum)."""
     queries = terms.queries
+    product = product or (lambda key, h: weight_product(h, params0[key]))
 
     def read(key, h):
         if first_products is not None and key in first_products and h is queries:
             y = terms.from_start[:, None] * first_products[key][1]
         else:
-            y = terms.from_start[:, None] * weight_product(h, params0[key])
+            y = terms.from_start[:, None] * product(key, h)
         if terms.state_carry is not None:
             y = y + terms.state_carry[:, None] * weight_product(h, momentum0[key])
         # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
@@ -439,6 +456,110 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
     return new_state, outputs
 
 
+class _LowRankStart:
+    """A sub-chunk's start θ₀ = p θ_B + Σ_j A_jᵀ diag(w_j) D_j without forming it: θ_B the
+    super-chunk's start, (A_j, D_j) the layer inputs and output cotangents of the sub-chunks
+    before (`source_pass`), w_j their weights in θ₀ and p the decay since θ_B. Its products
+    x θ₀[W] = p (x θ_B[W]) + Σ_j ((x A_jᵀ) ⊙ w_j) D_j are the dual form's reads at one step."""
+
+    def __init__(self, base, first_base=None):
+        self.base, self.first_base = base, first_base or {}
+        self.decay, self.updates = jnp.float32(1.0), []
+
+    def product(self, key, h):
+        return self.decay * weight_product(h, self.base[key]) + self.correction(key, h)
+
+    def correction(self, key, h):
+        out = 0.0
+        for inputs, cotangents, weights in self.updates:
+            out = out + ((h @ inputs[key].T) * weights) @ cotangents[key]
+        return out
+
+    def first_products(self, k, terms: ChunkTerms):
+        """Sub-chunk k's `first_layer_products` from the super-chunk's ({key: per sub-chunk
+        ([n, ·], [b, ·]) products with θ_B})."""
+        out = {}
+        for key, per_chunk in self.first_base.items():
+            src, queries = per_chunk[k]
+            out[key] = (self.decay * src + self.correction(key, terms.src_inputs),
+                        self.decay * queries + self.correction(key, terms.queries))
+        return out
+
+    def end_chunk(self, decay_end, rows, layer_inputs, cotangents):
+        """θ after the sub-chunk: decay_end θ₀ + Σ_s rows[s] a_s δ_sᵀ (GD's chunk end)."""
+        self.updates = [(a, d, decay_end * w) for a, d, w in self.updates] + [(layer_inputs, cotangents, rows)]
+        self.decay = decay_end * self.decay
+
+    def materialise(self):
+        """θ itself: one matmul per weight over every sub-chunk's sources."""
+        out = {}
+        for key, w in self.base.items():
+            inputs = jnp.concatenate([a[key] for a, _, _ in self.updates])
+            weighted = jnp.concatenate([c[:, None] * d[key] for _, d, c in self.updates])
+            out[key] = inputs.T @ weighted + self.decay * w
+        return out
+
+
+def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True):
+    """``SUPER_CHUNK`` chunks of the grouped scan with θ formed once, at their end: chunk k > 0
+    takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`), the same
+    numbers as `_one_chunk` chunk after chunk. Only where the chunk end is θ's linear update (GD
+    or implicit GD, no map, gradients at θ₀, no restarts: `_super_chunks`)."""
+    n_sub = xs.active.shape[0]
+    win = carry.window
+    terms = []
+    with jax.named_scope(SCOPES["chunk_terms"]):
+        for k in range(n_sub):
+            xc = jax.tree.map(lambda x: x[k], xs)
+            t = chunk_terms(spec, opt_info, features, xc, win)
+            real = jnp.any(xc.active > 0)
+            if padding_chunks:   # a chunk of padding leaves θ and the window cache alone
+                t = t._replace(from_start=jnp.where(real, t.from_start, 1.0),
+                               state_rows=jnp.where(real, t.state_rows, 0.0))
+                nxt = None if win is None else jax.tree.map(lambda new, old: jnp.where(real, new, old),
+                                                             t.next_window, win)
+            else:
+                nxt = t.next_window
+            terms.append(t)
+            win = nxt
+    keys = first_layer_keys(spec.memory, carry.params, terms[0].src_inputs.shape[-1])
+    with jax.named_scope(SCOPES["chunk_source"]):
+        # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight
+        pieces = [x for t in terms for x in (t.src_inputs, t.queries.astype(t.src_inputs.dtype))]
+        edges = [0]
+        for piece in pieces:
+            edges.append(edges[-1] + piece.shape[0])
+        stacked = jnp.concatenate(pieces)
+        first_base = {}
+        for key in keys:
+            whole = weight_product(stacked, carry.params[key])
+            parts = [whole[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
+            first_base[key] = list(zip(parts[0::2], parts[1::2]))   # (sources, queries) per sub-chunk
+    start = _LowRankStart(carry.params, first_base)
+    outputs = []
+    for k, t in enumerate(terms):
+        with jax.named_scope(SCOPES["chunk_source"]):
+            first_products = _kept(start.first_products(k, t))
+            layer_inputs, cotangents = source_pass(spec, carry.params, t, first_products, product=start.product)
+            cotangents = _kept(cotangents)
+            layer_inputs = {key: h if key in first_products else _kept(h) for key, h in layer_inputs.items()}
+        with jax.named_scope(SCOPES["chunk_read"]):
+            outputs.append(chunk_read(spec, carry.params, None, None, t, layer_inputs, cotangents, first_products,
+                                      product=start.product))
+        start.end_chunk(t.from_start[-1], t.state_rows[-1], layer_inputs, cotangents)
+    with jax.named_scope(SCOPES["chunk_end"]):
+        params_end = start.materialise()
+    return carry._replace(params=params_end, window=win), jnp.concatenate(outputs)
+
+
+def _super_chunks(spec, opt_info, steps: Steps) -> int:
+    """Chunks per `_super_chunk` of the grouped scan: SUPER_CHUNK where θ's chunk end is linear
+    in the chunk's gradients, else 1."""
+    linear = opt_info.kind in ("gd", "implicit_gd") and not spec.retention.has_map
+    at_start = spec.retention.decay == "none" or spec.retention.decoupled
+    return SUPER_CHUNK if linear and at_start and steps.restart is None else 1
+
+
 def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
                   boundary_bytes_per_token=None):
     """The dual form for one sequence and head (steps padded to a multiple of ``chunk_size``):
@@ -456,10 +577,12 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
     b = chunk_size
     total = steps.active.shape[0]
     n_chunks = total // b
-    per_group = 1
+    per_group, per_super = 1, 1
     if not keeps_every_chunk_state(state, b, boundary_bytes_per_token):
         n_groups = -(-n_chunks // max(1, GROUP_TOKENS // b))
         per_group = -(-n_chunks // n_groups)   # balanced groups: fewer than n_groups chunks of padding
+        per_super = min(_super_chunks(spec, opt_info, steps), per_group)
+        per_group = -(-per_group // per_super) * per_super
     n_groups = -(-n_chunks // per_group)
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
@@ -486,7 +609,14 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
             chunks = (chunks, _split_terms(spec, opt_info, features, state, chunks))
         final, outputs = jax.lax.scan(chunk, state, chunks, unroll=unroll)
     else:   # two levels of rematerialisation: an outer scan over groups, the inner scan checkpointed
-        grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group, b) + x.shape[1:]), padded)
+        grouped = jax.tree.map(lambda x: x.reshape((n_groups, per_group // per_super, per_super, b) + x.shape[1:]),
+                               padded)
+        if per_super == 1:
+            grouped = jax.tree.map(lambda x: x[:, :, 0], grouped)
+        else:
+            chunk = jax.checkpoint(
+                lambda carry, xs: _super_chunk(spec, opt_info, features, carry, xs, padding_chunks=pad >= b),
+                policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL))
         # Not unrolled (CHUNK_UNROLL): on an H200 unrolling by 4 made omeganet B1 T1024 H8 D128 bf16
         # fwd+bwd 45.1 -> 42.1 ms and atlas 190.2 -> 185.9, but XLA's compiled memory at B1 T4096
         # grew by a constant 1.2 GiB (omeganet, 4.3 -> 5.5) and 7.4 GiB (atlas, 9.9 -> 17.3) per
