@@ -154,6 +154,22 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     assert calls, "the super-chunk path did not run"
 
 
+def test_super_chunks_only_where_the_chunk_end_is_linear():
+    """Which presets the grouped scan runs in super-chunks: GD and implicit GD with gradients at θ₀
+    (omeganet, dla, ttt_mlp); not momentum's or Muon's chunk end (titans, atlas: Newton–Schulz is
+    not linear), a retention map (moneta), forget-first decay (gradients at P_t θ₀) or packed
+    documents (a restart inside a super-chunk)."""
+    from atlas_jax import optimizers as inner_opt
+    expect = {"omeganet": 2, "dla": 2, "ttt_mlp": 2, "ttt_mlp_implicit": 2, "titans": 1, "atlas": 1, "moneta": 1,
+              "omeganet_forget_first": 1}
+    for name, n in expect.items():
+        spec = _spec(name)
+        steps = _one_sequence_steps(spec, 4, 4, 16)
+        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), steps) == n, name
+        packed = steps._replace(restart=jnp.zeros((16,)))
+        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), packed) == 1, name
+
+
 def test_unrolled_chunk_scan_gives_the_same_results(monkeypatch):
     """At UNROLL_MIN_CHUNKS chunks or more the scan over chunks takes CHUNK_UNROLL chunks per
     iteration (fewer copies of the carried state): 18 chunks of 4 (not a multiple of the unroll,

@@ -502,8 +502,8 @@ class _LowRankStart:
 
 def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True):
     """``SUPER_CHUNK`` chunks of the grouped scan with θ formed once, at their end: chunk k > 0
-    takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`), the same
-    numbers as `_one_chunk` chunk after chunk. Only where the chunk end is θ's linear update (GD
+    takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`): what
+    `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only where the chunk end is θ's linear update (GD
     or implicit GD, no map, gradients at θ₀, no restarts: `_super_chunks`)."""
     n_sub = xs.active.shape[0]
     win = carry.window
