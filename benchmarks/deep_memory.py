@@ -39,6 +39,7 @@ from timing import import_tree, log, save_json, shape_arg, time_jax, trace_kerne
 ENTRIES = {   # entry name -> (preset, preset options, what the table says)
     "titans": ("titans", {}, "titans"),
     "omeganet": ("omeganet", {}, "omeganet"),
+    "dla": ("dla", {}, "dla"),
     "atlas": ("atlas", {"ns_every": "chunk"}, "atlas, NS per chunk"),
     "atlas_token": ("atlas", {"ns_every": "token"}, "atlas, NS per token"),
     "atlas_ns_bf16": ("atlas", {"ns_every": "chunk", "ns_dtype": "bfloat16"}, "atlas, NS per chunk on bf16 operands"),
