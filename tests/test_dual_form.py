@@ -254,8 +254,9 @@ def test_specs_outside_the_dual_form_stay_on_the_materialising_form():
     assert dual.covers(_spec("titans"), state_of(_spec("titans")), steps)
 
 
-@pytest.mark.parametrize("name,chunk,T,pads", [("omeganet", 16, 41, True), ("atlas", 8, 29, True),
-                                                ("yaad", 16, 33, False)])
+# omeganet's padded φ runs in the fast set through the super-chunk test (the same alignment, grouped)
+@pytest.mark.parametrize("name,chunk,T,pads", [pytest.param("omeganet", 16, 41, True, marks=pytest.mark.slow),
+                                                ("atlas", 8, 29, True), ("yaad", 16, 33, False)])
 def test_zero_features_that_align_the_feature_width_change_nothing(name, chunk, T, pads, monkeypatch):
     """φ padded with zero features to a multiple of FEATURE_ALIGN (8385 -> 8448 at degree 2, d 128)
     inside the form: outputs, final states (sliced back) and gradients as the materialising form.
