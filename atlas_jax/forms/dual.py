@@ -313,19 +313,25 @@ def first_layer_keys(memory, params, width: int) -> frozenset:
     return frozenset() if layers is None else layers[0]
 
 
-def first_layer_products(spec, params0, terms: ChunkTerms):
+def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms):
     """The sources' and the queries' products with every first-layer weight, one matmul each
     ({key: ([n, ·], [b, ·])}): θ's widest rows are read once a chunk rather than twice, and the
     backward pass forms their cotangent in one product rather than two and a sum. omeganet and
     atlas (first layer [8448, 512] per head), B1 T1024 H8 D128 bf16 fwd+bwd on an H200,
-    interleaved in one command: 42.2 -> 40.3 ms and 182.1 -> 178.6."""
-    n = terms.src_inputs.shape[0]
-    both = jnp.concatenate([terms.src_inputs, terms.queries.astype(terms.src_inputs.dtype)])
-    out = {}
+    interleaved in one command: 42.2 -> 40.3 ms and 182.1 -> 178.6. With ``more`` chunks' terms
+    (`_super_chunk`), all of them in the same matmul; then a list of such dicts, one per chunk."""
+    pieces = [x for t in (terms,) + more for x in (t.src_inputs, t.queries.astype(t.src_inputs.dtype))]
+    edges = [0]
+    for piece in pieces:
+        edges.append(edges[-1] + piece.shape[0])
+    both = jnp.concatenate(pieces)
+    outs = [{} for _ in range(1 + len(more))]
     for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1]):
         product = weight_product(both, params0[key])
-        out[key] = (product[:n], product[n:])
-    return out
+        parts = [product[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
+        for out, src, queries in zip(outs, parts[0::2], parts[1::2]):
+            out[key] = (src, queries)
+    return outs if more else outs[0]
 
 
 def source_pass(spec, params0, terms: ChunkTerms, first_products=None, product=None):
@@ -425,6 +431,15 @@ def _kept(tree):
     return jax.tree.map(lambda x: checkpoint_name(x, CHUNK_RESIDUAL), tree)
 
 
+def _kept_sources(spec, params0, terms: ChunkTerms, first_products, product=None):
+    """`source_pass` with the chunk's non-θ-sized products named CHUNK_RESIDUAL: (first products,
+    layer inputs, cotangents); φ itself (the first layer's input) is not kept."""
+    first_products = _kept(first_products)
+    layer_inputs, cotangents = source_pass(spec, params0, terms, first_products, product=product)
+    layer_inputs = {key: h if key in first_products else _kept(h) for key, h in layer_inputs.items()}
+    return first_products, layer_inputs, _kept(cotangents)
+
+
 def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_chunks=True,
                terms: ChunkTerms | None = None):
     """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out]).
@@ -436,10 +451,8 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
         with jax.named_scope(SCOPES["chunk_terms"]):
             terms = chunk_terms(spec, opt_info, features, xc, carry.window)
     with jax.named_scope(SCOPES["chunk_source"]):
-        first_products = _kept(first_layer_products(spec, carry.params, terms))
-        layer_inputs, cotangents = source_pass(spec, carry.params, terms, first_products)
-        cotangents = _kept(cotangents)
-        layer_inputs = {key: h if key in first_products else _kept(h) for key, h in layer_inputs.items()}
+        first_products, layer_inputs, cotangents = _kept_sources(
+            spec, carry.params, terms, first_layer_products(spec, carry.params, terms))
     with jax.named_scope(SCOPES["chunk_end"]):
         new_state = chunk_end(spec, opt_info, carry, terms, layer_inputs, cotangents)
     momentum0 = None if terms.momentum_rows is None else carry.opt_state.momentum
@@ -462,8 +475,8 @@ class _LowRankStart:
     before (`source_pass`), w_j their weights in θ₀ and p the decay since θ_B. Its products
     x θ₀[W] = p (x θ_B[W]) + Σ_j ((x A_jᵀ) ⊙ w_j) D_j are the dual form's reads at one step."""
 
-    def __init__(self, base, first_base=None):
-        self.base, self.first_base = base, first_base or {}
+    def __init__(self, base):
+        self.base = base
         self.decay, self.updates = jnp.float32(1.0), []
 
     def product(self, key, h):
@@ -475,15 +488,11 @@ class _LowRankStart:
             out = out + ((h @ inputs[key].T) * weights) @ cotangents[key]
         return out
 
-    def first_products(self, k, terms: ChunkTerms):
-        """Sub-chunk k's `first_layer_products` from the super-chunk's ({key: per sub-chunk
-        ([n, ·], [b, ·]) products with θ_B})."""
-        out = {}
-        for key, per_chunk in self.first_base.items():
-            src, queries = per_chunk[k]
-            out[key] = (self.decay * src + self.correction(key, terms.src_inputs),
-                        self.decay * queries + self.correction(key, terms.queries))
-        return out
+    def first_products(self, base_products, terms: ChunkTerms):
+        """A sub-chunk's `first_layer_products` from its products with θ_B."""
+        return {key: (self.decay * src + self.correction(key, terms.src_inputs),
+                      self.decay * queries + self.correction(key, terms.queries))
+                for key, (src, queries) in base_products.items()}
 
     def end_chunk(self, decay_end, rows, layer_inputs, cotangents):
         """θ after the sub-chunk: decay_end θ₀ + Σ_s rows[s] a_s δ_sᵀ (GD's chunk end)."""
@@ -503,8 +512,9 @@ class _LowRankStart:
 def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True):
     """``SUPER_CHUNK`` chunks of the grouped scan with θ formed once, at their end: chunk k > 0
     takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`): what
-    `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only where the chunk end is θ's linear update (GD
-    or implicit GD, no map, gradients at θ₀, no restarts: `_super_chunks`)."""
+    `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
+    where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀, no
+    restarts: `_super_chunks`)."""
     n_sub = xs.active.shape[0]
     win = carry.window
     terms = []
@@ -512,37 +522,24 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
         for k in range(n_sub):
             xc = jax.tree.map(lambda x: x[k], xs)
             t = chunk_terms(spec, opt_info, features, xc, win)
-            real = jnp.any(xc.active > 0)
+            next_window = t.next_window
             if padding_chunks:   # a chunk of padding leaves θ and the window cache alone
+                real = jnp.any(xc.active > 0)
                 t = t._replace(from_start=jnp.where(real, t.from_start, 1.0),
                                state_rows=jnp.where(real, t.state_rows, 0.0))
-                nxt = None if win is None else jax.tree.map(lambda new, old: jnp.where(real, new, old),
-                                                             t.next_window, win)
-            else:
-                nxt = t.next_window
+                if win is not None:
+                    next_window = jax.tree.map(lambda new, old: jnp.where(real, new, old), next_window, win)
             terms.append(t)
-            win = nxt
-    keys = first_layer_keys(spec.memory, carry.params, terms[0].src_inputs.shape[-1])
+            win = next_window
     with jax.named_scope(SCOPES["chunk_source"]):
         # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight
-        pieces = [x for t in terms for x in (t.src_inputs, t.queries.astype(t.src_inputs.dtype))]
-        edges = [0]
-        for piece in pieces:
-            edges.append(edges[-1] + piece.shape[0])
-        stacked = jnp.concatenate(pieces)
-        first_base = {}
-        for key in keys:
-            whole = weight_product(stacked, carry.params[key])
-            parts = [whole[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
-            first_base[key] = list(zip(parts[0::2], parts[1::2]))   # (sources, queries) per sub-chunk
-    start = _LowRankStart(carry.params, first_base)
+        base_products = first_layer_products(spec, carry.params, *terms)
+    start = _LowRankStart(carry.params)
     outputs = []
-    for k, t in enumerate(terms):
+    for t, base in zip(terms, base_products):
         with jax.named_scope(SCOPES["chunk_source"]):
-            first_products = _kept(start.first_products(k, t))
-            layer_inputs, cotangents = source_pass(spec, carry.params, t, first_products, product=start.product)
-            cotangents = _kept(cotangents)
-            layer_inputs = {key: h if key in first_products else _kept(h) for key, h in layer_inputs.items()}
+            first_products, layer_inputs, cotangents = _kept_sources(
+                spec, carry.params, t, start.first_products(base, t), product=start.product)
         with jax.named_scope(SCOPES["chunk_read"]):
             outputs.append(chunk_read(spec, carry.params, None, None, t, layer_inputs, cotangents, first_products,
                                       product=start.product))
@@ -597,11 +594,9 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         xc, terms = xs if hoist else (xs, None)
         return _one_chunk(spec, opt_info, features, carry, xc, padding_chunks=pad >= b, terms=terms)
 
-    chunk_body = restarting_chunks(one, state, steps_of=lambda xs: xs[0] if hoist else xs)
-    if per_group == 1:
-        chunk = jax.checkpoint(chunk_body)
-    else:
-        chunk = jax.checkpoint(chunk_body, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL))
+    # grouped: the group's rematerialised forward keeps what CHUNK_RESIDUAL names
+    policy = None if per_group == 1 else jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL)
+    chunk = jax.checkpoint(restarting_chunks(one, state, steps_of=lambda xs: xs[0] if hoist else xs), policy=policy)
     if per_group == 1:
         chunks = jax.tree.map(lambda x: x.reshape((n_chunks, b) + x.shape[1:]), padded)
         unroll = CHUNK_UNROLL if n_chunks >= UNROLL_MIN_CHUNKS else 1
@@ -616,7 +611,7 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         else:
             chunk = jax.checkpoint(
                 lambda carry, xs: _super_chunk(spec, opt_info, features, carry, xs, padding_chunks=pad >= b),
-                policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL))
+                policy=policy)
         # Not unrolled (CHUNK_UNROLL): on an H200 unrolling by 4 made omeganet B1 T1024 H8 D128 bf16
         # fwd+bwd 45.1 -> 42.1 ms and atlas 190.2 -> 185.9, but XLA's compiled memory at B1 T4096
         # grew by a constant 1.2 GiB (omeganet, 4.3 -> 5.5) and 7.4 GiB (atlas, 9.9 -> 17.3) per
