@@ -146,25 +146,6 @@ def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, acti
         assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
 
 
-@pytest.mark.parametrize("block_rows,momentum,residual", [(16, True, True), (32, False, False)])
-def test_gpu_backward_in_blocks_of_rows(block_rows, momentum, residual):
-    """block_rows_bwd: the backward kernel takes a chunk's rows (37 steps, padded to 64) in blocks,
-    the start-state cotangents summed over them, against the XLA reference at float32 rounding;
-    sources' cotangents included (the reads' route). A block that does not divide the padded rows
-    is refused."""
-    args = _operands(17, momentum=momentum, N=3, n=37)
-    run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(block_rows_bwd=block_rows))
-    want = _states_and_grads("chunk", args, activation="gelu", residual=residual, sources=True)
-    got = _states_and_grads("pallas", args, activation="gelu", residual=residual, kernel="gpu", run=run,
-                            sources=True)
-    assert tree_rel(got[0], want[0]) <= TOL
-    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
-        assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
-    with pytest.raises(ValueError, match="block_rows_bwd"):
-        mlp_state_pass(*args, activation="gelu", impl="pallas", kernel="gpu",
-                       block_sizes=MLPGpuBlockSizes(block_rows_bwd=128))
-
-
 def test_backward_warps_follow_the_grid(monkeypatch):
     """num_warps_bwd None: 8 warps while the backward's programs (tiles × B·H) fit one per
     multiprocessor, else 4; block_hidden_bwd None: 32 where twice the programs still fit; given

@@ -111,13 +111,9 @@ class MLPGpuBlockSizes:
     programs fit one per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
     (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
     backward kernel; the default) or "xla" (the reverse pass in XLA from the kept start states,
-    `support.state_pass_vjp`). block_rows_bwd: the backward kernel takes a chunk's rows (its
-    steps, padded to a power of two) in blocks of this many, one grid barrier each (a power of
-    two >= 16 dividing them; None: the whole chunk at once), so that fewer [rows, tile] values are
-    live at once (module docstring)."""
+    `support.state_pass_vjp`)."""
     block_hidden: int | None = None
     block_hidden_bwd: int | None = None
-    block_rows_bwd: int | None = None
     num_warps_fwd: int = 8
     num_warps_bwd: int | None = None
     dots: str = "exact"
@@ -136,12 +132,7 @@ class MLPGpuBlockSizes:
             warps = 8 if (h // bwd) * sequences_heads <= _multiprocessors() else 4
         return dataclasses.replace(self, block_hidden=fwd, block_hidden_bwd=bwd, num_warps_bwd=warps)
 
-    def check(self, h, interpret, rows):
-        b = self.block_rows_bwd
-        if b is not None and (not is_int(b) or b < 16 or b & (b - 1) or rows % b):
-            raise ValueError(f"{_FN}: argument `block_sizes.block_rows_bwd` must be None or a power of two "
-                             f">= 16 dividing the chunk's {rows} rows (its steps padded to a power of two); "
-                             f"got {b!r}.")
+    def check(self, h, interpret):
         for name in ("block_hidden", "block_hidden_bwd"):
             b = getattr(self, name)
             if not is_int(b) or b < 16 or b & (b - 1) or h % b:
@@ -167,7 +158,6 @@ class _Cfg(support.PassCfg):
     num_warps_bwd: int
     dots: str
     block_hidden_bwd: int
-    block_rows_bwd: int | None = None   # None: a chunk's rows at once
     sources: bool = False    # the forward also returns every chunk's H, D and Y (state_pass.MLPSources)
 
     @property
@@ -361,9 +351,6 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
 def _bwd_kernel(r, cfg: _Cfg):
     j, bh, cols, names, (mm_, mm_nt_, mm_tn_, operand) = _program(cfg)
     N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
-    n = r["a"].shape[2]
-    rows_per = cfg.block_rows_bwd or n
-    blocks = n // rows_per
 
     # Every chunk's start-state cotangent is kept, g_[i] for chunk i, written over the cotangent
     # the start state received directly (ds_[i], the same buffer: read just before), so that the
@@ -381,20 +368,10 @@ def _bwd_kernel(r, cfg: _Cfg):
             x = lambda name: load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
         else:
             x = lambda name: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols))
-        coefficients = [_scalar(r[name], bh, i) for name in (("decay", "carry", "mcarry") if cfg.momentum
-                                                             else ("decay",))]
-        for block in range(blocks):
-            stuck = rows_block(k, i, block, st, x, coefficients, stuck)
-        return stuck
-
-    def rows_block(k, i, block, st, x, coefficients, stuck):
-        """One block of chunk i's rows: every per-row value is the rows' own; the cotangents of
-        the start state sum over the blocks (the first writes g_[i], the others add to it)."""
-        rs = pl.ds(block * rows_per, rows_per)
-        a = r["a"][bh, i, rs, :]
+        a = r["a"][bh, i, :, :]
         a = a if cfg.low else a.astype(F32)
-        e = operand(load_f32(r["y"], (bh, i, rs, all_)) - load_f32(r["t"], (bh, i, rs, all_)))
-        rows = load_f32(r["rows"], (bh, i, rs))[:, None]
+        e = operand(load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_)))
+        rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         hidden, slope, curve = act_grad2(cfg.activation, mm_(a, st("w0")))
         g = mm_nt_(e, st("w1"))                                # E W1ᵀ [n, bt]
         d0, g_curve = g * slope, g * curve
@@ -403,32 +380,31 @@ def _bwd_kernel(r, cfg: _Cfg):
         # E X1ᵀ is Ĥ's term anyway
         ex1 = mm_nt_(e, operand(x("w1")))                      # E X1ᵀ [n, bt]
         big_a, h_hat = rows * ax0, rows * ex1
-        r["drows"][bh, i, j, rs] = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
+        r["drows"][bh, i, j, :] = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
         e_share = rows * mm_(operand(hidden), operand(x("w1")))   # [n, dv]
         if cfg.momentum:
-            mrows = load_f32(r["mrows"], (bh, i, rs))[:, None]
+            mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
             axm = mm_(a, operand(x("m0")))
             em1 = mm_nt_(e, operand(x("m1")))
             big_a, h_hat = big_a + mrows * axm, h_hat + mrows * em1
-            r["dmrows"][bh, i, j, rs] = jnp.sum(d0 * axm + hidden * em1, axis=1)
+            r["dmrows"][bh, i, j, :] = jnp.sum(d0 * axm + hidden * em1, axis=1)
             e_share = e_share + mrows * mm_(operand(hidden), operand(x("m1")))
         if cfg.sources:   # what the returned H and D of this chunk receive
-            big_a = big_a + load_f32(r["c_d0"], (bh, i, rs, cols))
-            h_hat = h_hat + load_f32(r["c_hidden"], (bh, i, rs, cols))
+            big_a = big_a + load_f32(r["c_d0"], (bh, i, all_, cols))
+            h_hat = h_hat + load_f32(r["c_hidden"], (bh, i, all_, cols))
         q = big_a * slope
-        step = k * blocks + block
-        slot = lax.rem(step, 2)
+        slot = lax.rem(k, 2)
         r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st("w1"))
-        stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (step + 1)))
+        stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (k + 1)))
         e_hat = _tile_sum(r["share"], bh, slot, tiles, r["share"].shape[-2:])
         e_hat = jnp.where(stuck, jnp.nan, e_hat)
 
         @pl.when(j == 0)
         def _():
-            r["dt"][bh, i, rs, :] = -e_hat
+            r["dt"][bh, i, :, :] = -e_hat
 
         if cfg.sources:   # the returned Y's cotangent joins E's after the targets took theirs
-            e_hat = e_hat + load_f32(r["c_y"], (bh, i, rs, all_))
+            e_hat = e_hat + load_f32(r["c_y"], (bh, i, all_, all_))
         e_res = e_hat if cfg.residual else None
         e_hat = operand(e_hat)
         z_hat = (h_hat + mm_nt_(e_hat, st("w1"))) * slope + big_a * g_curve
@@ -438,25 +414,23 @@ def _bwd_kernel(r, cfg: _Cfg):
             da = da + mm_nt_(operand(mrows * d0), operand(x("m0")))
         if cfg.residual:
             da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_res   # tile 0 adds it
-        r["da"][bh, i, j, rs, :] = da.astype(r["da"].dtype)
+        r["da"][bh, i, j, :, :] = da.astype(r["da"].dtype)
 
+        decay = _scalar(r["decay"], bh, i)
+        if cfg.momentum:
+            carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
         # + the cotangent chunk i's start state receives directly
         owns = {"0": lambda: mm_tn_(a, operand(z_hat)),
                 "1": lambda: mm_tn_(operand(q), e) + mm_tn_(operand(hidden), operand(e_hat))}
         for layer, own in owns.items():
             w, m = "w" + layer, "m" + layer
-            idx = lambda name: (bh, i) + _tile_index(name, cols)
-            if block == 0:
-                decay, *momentum = coefficients
-                x_w = x(w)
-                new = {w: decay * x_w + own()}
-                if cfg.momentum:
-                    carry, mcarry = momentum
-                    new[m] = carry * x_w + mcarry * x(m)
-                for name, value in new.items():
-                    r["g_" + name][idx(name)] = value + load_f32(r["ds_" + name], idx(name))
-            else:   # this program's own stores of the blocks before, behind the CTA barrier
-                r["g_" + w][idx(w)] = load_f32(r["g_" + w], idx(w)) + own()
+            x_w = x(w)
+            new = {w: decay * x_w + own()}
+            if cfg.momentum:
+                new[m] = carry * x_w + mcarry * x(m)
+            for name, value in new.items():
+                idx = (bh, i) + _tile_index(name, cols)
+                r["g_" + name][idx] = value + load_f32(r["ds_" + name], idx)
         _cta_barrier(cfg)
         return stuck
 
@@ -487,7 +461,7 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
             "drows": sds(BH, N, tiles, n)}
     if cfg.momentum:
         outs.update(dmrows=sds(BH, N, tiles, n))
-    outs.update(share=sds(BH, 2, tiles, cfg.block_rows_bwd or n, dv), count=jax.ShapeDtypeStruct((BH,), jnp.int32))
+    outs.update(share=sds(BH, 2, tiles, n, dv), count=jax.ShapeDtypeStruct((BH,), jnp.int32))
     in_names, out_names = list(ins) + ["count_in"], list(outs)
 
     def kernel(*refs):
@@ -564,14 +538,14 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
         raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPGpuBlockSizes; got "
                         f"{type(bs).__name__}.")
     interpret = bool(default_interpret() if interpret is None else interpret)
-    hp, rows_padded = next_pow2(state.w0.shape[-1], least=16), next_pow2(a.shape[3], least=16)
+    hp = next_pow2(state.w0.shape[-1], least=16)
     bs = bs.resolve(hp, interpret, a.shape[0] * a.shape[1])
-    bs.check(hp, interpret, rows_padded)
+    bs.check(hp, interpret)
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
                dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd,
-               block_rows_bwd=bs.block_rows_bwd, sources=bool(sources) and bs.backward == "kernel")
-    padded = (rows_padded,) + tuple(next_pow2(x, least=16) for x in (a.shape[4], hp, targets.shape[-1]))
+               sources=bool(sources) and bs.backward == "kernel")
+    padded = tuple(next_pow2(x, least=16) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     run = _run if bs.backward == "kernel" else _run_xla_backward
     return run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
                cfg=cfg, padded=padded)
