@@ -146,19 +146,6 @@ def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, acti
         assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
 
 
-@pytest.mark.parametrize("momentum,residual,d,dv", [(True, True, 40, 40), (False, False, 40, 72)])
-def test_gpu_backward_in_pieces(momentum, residual, d, dv):
-    """The backward kernel forms â and the start-state cotangents in pieces of PIECE rows of W0's
-    tile / columns of W1's: widths that pad to several pieces (40 -> 64, 72 -> 128) against the
-    XLA reference at float32 rounding, the sources' cotangents included."""
-    args = _operands(19, momentum=momentum, N=3, d=d, dv=dv)
-    want = _states_and_grads("chunk", args, activation="gelu", residual=residual, sources=True)
-    got = _states_and_grads("pallas", args, activation="gelu", residual=residual, kernel="gpu", sources=True)
-    assert tree_rel(got[0], want[0]) <= TOL
-    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
-        assert tree_rel(g, g_r) <= TOL, (index, tree_rel(g, g_r))
-
-
 def test_backward_warps_follow_the_grid(monkeypatch):
     """num_warps_bwd None: 8 warps while the backward's programs (tiles × B·H) fit one per
     multiprocessor, else 4; block_hidden_bwd None: 32 where twice the programs still fit; given

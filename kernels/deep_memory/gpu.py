@@ -215,10 +215,10 @@ def _grid_barrier(cfg, cnt, bh, target):
     return spins >= SPIN_CAP
 
 
-def _tile_sum(ref, bh, slot, tiles, shape, columns=slice(None)):
+def _tile_sum(ref, bh, slot, tiles, shape):
     """Σ over the head's tiles of their shares in ``slot`` (volatile loads: other programs wrote
-    them), of ``columns``."""
-    return lax.fori_loop(0, tiles, lambda q, acc: acc + plgpu.load(ref.at[bh, slot, q, :, columns], volatile=True),
+    them)."""
+    return lax.fori_loop(0, tiles, lambda q, acc: acc + plgpu.load(ref.at[bh, slot, q], volatile=True),
                          jnp.zeros(shape, F32))
 
 
@@ -226,19 +226,9 @@ def _names(cfg):
     return ("w0", "w1", "m0", "m1") if cfg.momentum else ("w0", "w1")
 
 
-def _tile_index(name, cols, piece=slice(None)):
-    """A tile of a state: columns of W0 / m0, rows of W1 / m1; ``piece``: of its rows (W0 / m0) or
-    columns (W1 / m1)."""
-    return (piece, cols) if name in ("w0", "m0") else (cols, piece)
-
-
-PIECE = 32
-
-
-def _pieces(width):
-    """Static slices of PIECE (or all of a narrower width) covering ``width``."""
-    size = min(PIECE, width)
-    return [pl.ds(start, size) for start in range(0, width, size)]
+def _tile_index(name, cols):
+    """A tile of a state: columns of W0 / m0, rows of W1 / m1."""
+    return (slice(None), cols) if name in ("w0", "m0") else (cols, slice(None))
 
 
 def _program(cfg: _Cfg):
@@ -361,7 +351,6 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
 def _bwd_kernel(r, cfg: _Cfg):
     j, bh, cols, names, (mm_, mm_nt_, mm_tn_, operand) = _program(cfg)
     N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
-    n, d, dv = r["a"].shape[2], r["a"].shape[3], r["t"].shape[3]
 
     # Every chunk's start-state cotangent is kept, g_[i] for chunk i, written over the cotangent
     # the start state received directly (ds_[i], the same buffer: read just before), so that the
@@ -375,7 +364,6 @@ def _bwd_kernel(r, cfg: _Cfg):
         # for the last chunk, else from g_[i + 1] (this program's own writes of the chunk before,
         # behind the CTA barrier).
         st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
-        st_piece = lambda name, p: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols, p))
         if last:
             x = lambda name: load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
         else:
@@ -417,46 +405,32 @@ def _bwd_kernel(r, cfg: _Cfg):
 
         if cfg.sources:   # the returned Y's cotangent joins E's after the targets took theirs
             e_hat = e_hat + load_f32(r["c_y"], (bh, i, all_, all_))
+        e_res = e_hat if cfg.residual else None
         e_hat = operand(e_hat)
         z_hat = (h_hat + mm_nt_(e_hat, st("w1"))) * slope + big_a * g_curve
+
+        da = mm_nt_(operand(rows * d0), operand(x("w0"))) + mm_nt_(operand(z_hat), st("w0"))
+        if cfg.momentum:
+            da = da + mm_nt_(operand(mrows * d0), operand(x("m0")))
+        if cfg.residual:
+            da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_res   # tile 0 adds it
+        r["da"][bh, i, j, :, :] = da.astype(r["da"].dtype)
 
         decay = _scalar(r["decay"], bh, i)
         if cfg.momentum:
             carry, mcarry = _scalar(r["carry"], bh, i), _scalar(r["mcarry"], bh, i)
-        # â and the start state's cotangents (+ what chunk i's start state receives directly) in
-        # pieces of PIECE rows of W0's tile / columns of W1's, each piece's X, M and Ê loaded
-        # where used: whole [d, bt] tiles and their updates held at once spilled.
-        piece_of = lambda name, p: (bh, i) + _tile_index(name, cols, p)
-        xp = (lambda name, p: load_f32(r["df_" + name], (bh,) + _tile_index(name, cols, p))) if last else \
-             (lambda name, p: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols, p)))
-
-        def put(name, p, value):
-            r["g_" + name][piece_of(name, p)] = value + load_f32(r["ds_" + name], piece_of(name, p))
-
-        def e_hat_piece(p):   # Ê's columns p again from the shares (as above)
-            piece = _tile_sum(r["share"], bh, slot, tiles, (n, p.size), p)
-            if cfg.sources:
-                piece = piece + load_f32(r["c_y"], (bh, i, all_, p))
-            return jnp.where(stuck, jnp.nan, piece)
-
-        for p in _pieces(d):
-            x_w0 = xp("w0", p)
-            da = mm_nt_(operand(rows * d0), operand(x_w0)) + mm_nt_(operand(z_hat), st_piece("w0", p))
-            a_p = r["a"][bh, i, :, p]
-            put("w0", p, decay * x_w0 + mm_tn_(a_p if cfg.low else a_p.astype(F32), operand(z_hat)))
+        # + the cotangent chunk i's start state receives directly
+        owns = {"0": lambda: mm_tn_(a, operand(z_hat)),
+                "1": lambda: mm_tn_(operand(q), e) + mm_tn_(operand(hidden), operand(e_hat))}
+        for layer, own in owns.items():
+            w, m = "w" + layer, "m" + layer
+            x_w = x(w)
+            new = {w: decay * x_w + own()}
             if cfg.momentum:
-                x_m0 = xp("m0", p)
-                da = da + mm_nt_(operand(mrows * d0), operand(x_m0))
-                put("m0", p, carry * x_w0 + mcarry * x_m0)
-            if cfg.residual:   # tile 0 adds it (d = dv)
-                da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_hat_piece(p)
-            r["da"][bh, i, j, :, p] = da.astype(r["da"].dtype)
-        for p in _pieces(dv):
-            x_w1 = xp("w1", p)
-            e_p = operand(load_f32(r["y"], (bh, i, all_, p)) - load_f32(r["t"], (bh, i, all_, p)))
-            put("w1", p, decay * x_w1 + mm_tn_(operand(q), e_p) + mm_tn_(operand(hidden), operand(e_hat_piece(p))))
-            if cfg.momentum:
-                put("m1", p, carry * x_w1 + mcarry * xp("m1", p))
+                new[m] = carry * x_w + mcarry * x(m)
+            for name, value in new.items():
+                idx = (bh, i) + _tile_index(name, cols)
+                r["g_" + name][idx] = value + load_f32(r["ds_" + name], idx)
         _cta_barrier(cfg)
         return stuck
 
