@@ -318,24 +318,30 @@ def main():
         return
 
     rows = []
+
+    def measure(name, fn, operands_, want, steps, products):
+        """One variant: its relative error against ``want`` (the largest over its outputs) and its
+        time; a variant that does not compile here is reported, not fatal."""
+        f = jax.jit(functools.partial(fn, steps=steps))
+        try:
+            got = f(*operands_)
+            err = max(float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
+                      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+            ms = timed(f, operands_, args.reps)
+        except Exception as e:
+            rows.append(dict(variant=name, steps=steps, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        else:
+            per_chunk = ms * 1e3 / args.chunks
+            rows.append(dict(variant=name, steps=steps, ms=round(ms, 3), rel_err=err,
+                             us_per_chunk=round(per_chunk, 2), us_per_product=round(per_chunk / products, 3)))
+        print(rows[-1], flush=True)
+
     x, s0, s1 = operands(args.programs, args.chunks)
+    init = state0(x, s0)
     for steps in args.steps:
         want = jax.jit(functools.partial(chain_reference, steps=steps))(x, s0, s1)
         for name, fn in (("xla", chain_reference), ("triton", chain_triton), ("mosaic", chain_mosaic)):
-            f = jax.jit(functools.partial(fn, steps=steps))
-            try:
-                got = f(x, s0, s1)
-                err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-                ms = timed(f, (x, s0, s1), args.reps)
-            except Exception as e:   # a variant that does not compile here is reported, not fatal
-                rows.append(dict(variant=name, steps=steps, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                print(rows[-1], flush=True)
-                continue
-            per_chunk = ms * 1e3 / args.chunks
-            rows.append(dict(variant=name, steps=steps, ms=round(ms, 3), rel_err=err,
-                             us_per_chunk=round(per_chunk, 2), us_per_product=round(per_chunk / (2 * steps), 3)))
-            print(rows[-1], flush=True)
-    init = state0(x, s0)
+            measure(name, fn, (x, s0, s1), want, steps, 2 * steps)
     for steps in args.steps:
         want = jax.jit(functools.partial(stream_reference, steps=steps))(x, s0, s1, init)
         variants = [("xla stream", stream_reference), ("triton stream", stream_triton),
@@ -343,20 +349,7 @@ def main():
         variants += [(f"triton stream, {n} live [n, h]", functools.partial(stream_triton, live=n))
                      for n in args.live if n]
         for name, fn in variants:
-            f = jax.jit(functools.partial(fn, steps=steps))
-            try:
-                got = f(x, s0, s1, init)
-                err = max(float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) for g, w in zip(got, want))
-                ms = timed(f, (x, s0, s1, init), args.reps)
-            except Exception as e:
-                rows.append(dict(variant=name, steps=steps, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                print(rows[-1], flush=True)
-                continue
-            per_chunk = ms * 1e3 / args.chunks
-            rows.append(dict(variant=name, steps=steps, ms=round(ms, 3), rel_err=err,
-                             us_per_chunk=round(per_chunk, 2),
-                             us_per_product=round(per_chunk / (2 * steps + 2 * TILES), 3)))
-            print(rows[-1], flush=True)
+            measure(name, fn, (x, s0, s1, init), want, steps, 2 * steps + 2 * TILES)
     device = jax.devices()[0].device_kind
     print(f"\n# dependent-product chain, {args.programs} programs x {args.chunks} chunks, x [64, 128], "
           f"S0 [128, 64], S1 [64, 128] bf16 ({device}, jax {jax.__version__})\n")
