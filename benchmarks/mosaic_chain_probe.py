@@ -83,6 +83,40 @@ def _smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
 
+def _mosaic_copy_in(src, dst, bar):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+
+
+def _mosaic_product(a_ref, b_ref, shape):
+    """a_ref @ b_ref (shared memory, bf16) by one wgmma into a float32 accumulator, read back."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def run(acc):
+        plgpu.wgmma(acc, a_ref, b_ref)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, F32))
+
+
+def _mosaic_chain(x_smem, work_smem, s0_smem, s1_smem, h_smem, steps):
+    """The chain from x_smem; each step's x goes to work_smem (which may be x_smem). Returns Y."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    n, h = h_smem.shape
+    d = s1_smem.shape[-1]
+    y = None
+    for step in range(steps):
+        z = _mosaic_product(x_smem if step == 0 else work_smem, s0_smem, (n, h))
+        h_smem[...] = (z * 0.5).astype(BF16)
+        plgpu.commit_smem()
+        y = _mosaic_product(h_smem, s1_smem, (n, d))
+        if step + 1 < steps:
+            work_smem[...] = y.astype(BF16)
+            plgpu.commit_smem()
+    return y
+
+
 def chain_mosaic(x, s0, s1, steps):
     """One warpgroup a program; x, S0, S1 and H in shared memory (TMA loads), each product one
     wgmma into a float32 accumulator, read back into registers, cast and stored for the next."""
@@ -92,30 +126,12 @@ def chain_mosaic(x, s0, s1, steps):
 
     def body(x_gmem, s0_gmem, s1_gmem, o_gmem, x_smem, s0_smem, s1_smem, h_smem, o_smem, bar):
         c = lax.axis_index("programs")
-        plgpu.copy_gmem_to_smem(s0_gmem.at[c], s0_smem, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        plgpu.copy_gmem_to_smem(s1_gmem.at[c], s1_smem, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-
-        def product(a_ref, b_ref, shape):
-            def run(acc):
-                plgpu.wgmma(acc, a_ref, b_ref)
-                plgpu.wgmma_wait(0)
-                return acc[...]
-            return pl.run_scoped(run, plgpu.ACC(shape, F32))
+        _mosaic_copy_in(s0_gmem.at[c], s0_smem, bar)
+        _mosaic_copy_in(s1_gmem.at[c], s1_smem, bar)
 
         def chunk(i, carry):
-            plgpu.copy_gmem_to_smem(x_gmem.at[c, i], x_smem, bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
-            y = None
-            for step in range(steps):
-                z = product(x_smem, s0_smem, (n, h))
-                h_smem[...] = (z * 0.5).astype(BF16)
-                plgpu.commit_smem()
-                y = product(h_smem, s1_smem, (n, d))
-                if step + 1 < steps:
-                    x_smem[...] = y.astype(BF16)
-                    plgpu.commit_smem()
+            _mosaic_copy_in(x_gmem.at[c, i], x_smem, bar)
+            y = _mosaic_chain(x_smem, x_smem, s0_smem, s1_smem, h_smem, steps)
             plgpu.wait_smem_to_gmem(0)   # the previous chunk's output left o_smem
             o_smem[...] = y
             plgpu.commit_smem()
@@ -203,30 +219,12 @@ def stream_mosaic(x, s0, s1, init, steps):
     def body(x_gmem, s0_gmem, s1_gmem, init_gmem, o_gmem, st_gmem,
              x_smem, s0_smem, s1_smem, h_smem, o_smem, t_smem, tb_smem, p_smem, xb_smem, bar):
         c = lax.axis_index("programs")
-        plgpu.copy_gmem_to_smem(s0_gmem.at[c], s0_smem, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        plgpu.copy_gmem_to_smem(s1_gmem.at[c], s1_smem, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-
-        def product(a_ref, b_ref, shape):
-            def run(acc):
-                plgpu.wgmma(acc, a_ref, b_ref)
-                plgpu.wgmma_wait(0)
-                return acc[...]
-            return pl.run_scoped(run, plgpu.ACC(shape, F32))
+        _mosaic_copy_in(s0_gmem.at[c], s0_smem, bar)
+        _mosaic_copy_in(s1_gmem.at[c], s1_smem, bar)
 
         def chunk(i, carry):
-            plgpu.copy_gmem_to_smem(x_gmem.at[c, i], x_smem, bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
-            y = None
-            for step in range(steps):
-                z = product(x_smem if step == 0 else xb_smem, s0_smem, (n, h))   # x stays for the tiles
-                h_smem[...] = (z * 0.5).astype(BF16)
-                plgpu.commit_smem()
-                y = product(h_smem, s1_smem, (n, d))
-                if step + 1 < steps:
-                    xb_smem[...] = y.astype(BF16)
-                    plgpu.commit_smem()
+            _mosaic_copy_in(x_gmem.at[c, i], x_smem, bar)
+            y = _mosaic_chain(x_smem, xb_smem, s0_smem, s1_smem, h_smem, steps)   # x stays for the tiles
             plgpu.wait_smem_to_gmem(0)
             o_smem[...] = y
             plgpu.commit_smem()
@@ -244,7 +242,7 @@ def stream_mosaic(x, s0, s1, init, steps):
                 t = t_smem[...]
                 tb_smem[...] = t.astype(BF16)
                 plgpu.commit_smem()
-                p = product(x_smem, tb_smem, (n, h))
+                p = _mosaic_product(x_smem, tb_smem, (n, h))
                 p_smem[...] = (p / 100).astype(BF16)
                 plgpu.commit_smem()
 
