@@ -18,7 +18,10 @@ tiles. Two probes of that loop, for C programs walking N chunks of x [n, d]:
 
 Every variant's relative error against the same computation in XLA is reported next to its time
 (median of --reps calls), in µs per chunk and per product. On a CPU, ``--lower-only`` lowers the
-Mosaic kernels for CUDA (their MLIR is built here; only compiling them needs a GPU).
+Mosaic kernels for CUDA (their MLIR is built here; only compiling them needs a GPU) and
+``--interpret`` runs all four kernels in interpret mode on tiny shapes against XLA (Mosaic GPU's
+interpret mode simulates the threads, shared memory and barriers; it lacks transposed wgmma
+operands and `pl.run_state`, which these kernels therefore avoid).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def chain_reference(x, s0, s1, steps):
     return jax.vmap(lambda xc, a, b: jax.vmap(lambda xi: one(xi, a, b))(xc))(x, s0, s1)
 
 
-def chain_triton(x, s0, s1, steps, num_warps=4):
+def chain_triton(x, s0, s1, steps, num_warps=4, interpret=False):
     from jax.experimental.pallas import triton as pltriton
     C, N, n, d = x.shape
     h = s0.shape[-1]
@@ -73,7 +76,7 @@ def chain_triton(x, s0, s1, steps, num_warps=4):
     return pl.pallas_call(
         kernel, grid=(C,), out_shape=jax.ShapeDtypeStruct((C, N, n, d), F32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="chain_triton")(x, s0, s1)
+        interpret=interpret, name="chain_triton")(x, s0, s1)
 
 
 def _smem(shape, dtype):
@@ -117,7 +120,16 @@ def _mosaic_chain(x_smem, work_smem, s0_smem, s1_smem, h_smem, steps):
     return y
 
 
-def chain_mosaic(x, s0, s1, steps):
+def _mosaic_interpret(interpret):
+    """plgpu.kernel's `interpret`: GPU interpret mode (threads, shared memory and barriers
+    simulated on the CPU) when asked."""
+    if not interpret:
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def chain_mosaic(x, s0, s1, steps, interpret=False):
     """One warpgroup a program; x, S0, S1 and H in shared memory (TMA loads), each product one
     wgmma into a float32 accumulator, read back into registers, cast and stored for the next."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -145,7 +157,7 @@ def chain_mosaic(x, s0, s1, steps):
         body, out_type=jax.ShapeDtypeStruct((C, N, n, d), F32),
         scratch_types=[_smem((n, d), BF16), _smem((d, h), BF16), _smem((h, d), BF16), _smem((n, h), BF16),
                         _smem((n, d), F32), plgpu.Barrier(num_barriers=1)],
-        grid=(C,), grid_names=("programs",),
+        grid=(C,), grid_names=("programs",), interpret=_mosaic_interpret(interpret),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return f(x, s0, s1)
 
@@ -169,7 +181,7 @@ def stream_reference(x, s0, s1, init, steps):
     return jax.vmap(one)(x, s0, s1, init)
 
 
-def stream_triton(x, s0, s1, init, steps, num_warps=4, live=0):
+def stream_triton(x, s0, s1, init, steps, num_warps=4, live=0, interpret=False):
     """``live``: that many [n, h] float32 values formed before the tiles and used (times 0) by
     the last one, so that they stay live across the tiles' loads and products (as the state
     pass's row values do)."""
@@ -205,25 +217,28 @@ def stream_triton(x, s0, s1, init, steps, num_warps=4, live=0):
         kernel, grid=(C,), out_shape=(jax.ShapeDtypeStruct((C, N, n, d), F32),
                                       jax.ShapeDtypeStruct((C, N, TILES, d, h), F32)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="stream_triton")(x, s0, s1, init)
+        interpret=interpret, name="stream_triton")(x, s0, s1, init)
 
 
-def stream_mosaic(x, s0, s1, init, steps):
+def stream_mosaic(x, s0, s1, init, steps, interpret=False):
     """As chain_mosaic, plus each tile TMA-loaded into shared memory (float32), cast to a bf16
     copy there for the products, updated in a float32 accumulator and TMA-stored; nothing
-    overlapped (a first cut)."""
+    overlapped (a first cut). xᵀ comes from a transposed copy of x in memory, not a transposed
+    view of x's shared-memory tile (GPU interpret mode lacks transposed wgmma operands; measured
+    2026-11-27 with the view)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     C, N, n, d = x.shape
     h = s0.shape[-1]
 
-    def body(x_gmem, s0_gmem, s1_gmem, init_gmem, o_gmem, st_gmem,
-             x_smem, s0_smem, s1_smem, h_smem, o_smem, t_smem, tb_smem, p_smem, xb_smem, bar):
+    def body(x_gmem, xt_gmem, s0_gmem, s1_gmem, init_gmem, o_gmem, st_gmem,
+             x_smem, s0_smem, s1_smem, h_smem, o_smem, t_smem, tb_smem, p_smem, xb_smem, xt_smem, bar):
         c = lax.axis_index("programs")
         _mosaic_copy_in(s0_gmem.at[c], s0_smem, bar)
         _mosaic_copy_in(s1_gmem.at[c], s1_smem, bar)
 
         def chunk(i, carry):
             _mosaic_copy_in(x_gmem.at[c, i], x_smem, bar)
+            _mosaic_copy_in(xt_gmem.at[c, i], xt_smem, bar)
             y = _mosaic_chain(x_smem, xb_smem, s0_smem, s1_smem, h_smem, steps)   # x stays for the tiles
             plgpu.wait_smem_to_gmem(0)
             o_smem[...] = y
@@ -245,11 +260,9 @@ def stream_mosaic(x, s0, s1, init, steps):
                 p = _mosaic_product(x_smem, tb_smem, (n, h))
                 p_smem[...] = (p / 100).astype(BF16)
                 plgpu.commit_smem()
-
-                def update(acc):
-                    plgpu.wgmma(acc, plgpu.transpose_ref(x_smem, (1, 0)), p_smem)
-                    plgpu.wgmma_wait(0)
-                new = pl.run_state(update)(plgpu.ACC.init(plgpu.layout_cast(0.9 * t, plgpu.Layout.WGMMA)))
+                # (an accumulator started at 0.9 T, `pl.run_state(...)(plgpu.ACC.init(...))`, would
+                # save the add, but GPU interpret mode lacks run_state)
+                new = 0.9 * t + _mosaic_product(xt_smem, p_smem, (d, h))
                 plgpu.wait_smem_to_gmem(0)
                 t_smem[...] = new
                 plgpu.commit_smem()
@@ -264,10 +277,10 @@ def stream_mosaic(x, s0, s1, init, steps):
         body, out_type=(jax.ShapeDtypeStruct((C, N, n, d), F32), jax.ShapeDtypeStruct((C, N, TILES, d, h), F32)),
         scratch_types=[_smem((n, d), BF16), _smem((d, h), BF16), _smem((h, d), BF16), _smem((n, h), BF16),
                        _smem((n, d), F32), _smem((d, h), F32), _smem((d, h), BF16), _smem((n, h), BF16),
-                       _smem((n, d), BF16), plgpu.Barrier(num_barriers=1)],
-        grid=(C,), grid_names=("programs",),
+                       _smem((n, d), BF16), _smem((d, n), BF16), plgpu.Barrier(num_barriers=1)],
+        grid=(C,), grid_names=("programs",), interpret=_mosaic_interpret(interpret),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return f(x, s0, s1, init)
+    return f(x, jnp.swapaxes(x, -1, -2), s0, s1, init)
 
 
 def operands(programs, chunks, n=64, d=128, h=64, seed=0):
@@ -301,7 +314,9 @@ def main():
     p.add_argument("--steps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--live", type=int, nargs="*", default=[], help="triton stream variants with this many extra live values")
-    p.add_argument("--lower-only", action="store_true", help="lower the Mosaic kernel for CUDA and stop")
+    p.add_argument("--lower-only", action="store_true", help="lower the Mosaic kernels for CUDA and stop")
+    p.add_argument("--interpret", action="store_true",
+                   help="on a CPU: every kernel in interpret mode on tiny shapes, errors only (no timing)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
 
@@ -313,6 +328,20 @@ def main():
         lowered = jax.jit(functools.partial(stream_mosaic, steps=2)).trace(x, s0, s1, state0(x, s0)).lower(
             lowering_platforms=("cuda",))
         print("mosaic stream kernel lowered:", len(lowered.as_text()), "characters of StableHLO")
+        return
+
+    if args.interpret:
+        x, s0, s1 = operands(2, 3)
+        init = state0(x, s0)
+        chain_want, stream_want = chain_reference(x, s0, s1, 2), stream_reference(x, s0, s1, init, 2)
+        for name, fn, ins, want in (("triton", chain_triton, (x, s0, s1), chain_want),
+                                    ("mosaic", chain_mosaic, (x, s0, s1), chain_want),
+                                    ("triton stream", stream_triton, (x, s0, s1, init), stream_want),
+                                    ("mosaic stream", stream_mosaic, (x, s0, s1, init), stream_want)):
+            got = fn(*ins, steps=2, interpret=True)
+            err = max(float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
+                      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+            print(f"{name} (interpret mode): relative error {err:.1e}")
         return
 
     rows = []
