@@ -53,22 +53,24 @@ def chain_reference(x, s0, s1, steps):
     return jax.vmap(lambda xc, a, b: jax.vmap(lambda xi: one(xi, a, b))(xc))(x, s0, s1)
 
 
+def _triton_chain(x, s0, s1, steps):
+    """The chain on values inside a Triton kernel: (the last Z, the last Y)."""
+    z = y = None
+    for _ in range(steps):
+        z = jnp.dot(x if y is None else y.astype(BF16), s0, preferred_element_type=F32)
+        y = jnp.dot((z * 0.5).astype(BF16), s1, preferred_element_type=F32)
+    return z, y
+
+
 def chain_triton(x, s0, s1, steps, num_warps=4, interpret=False):
     from jax.experimental.pallas import triton as pltriton
     C, N, n, d = x.shape
-    h = s0.shape[-1]
 
     def kernel(x_ref, s0_ref, s1_ref, o_ref):
         c = pl.program_id(0)
 
         def chunk(i, carry):
-            xi = x_ref[c, i, :, :]
-            y = None
-            for _ in range(steps):
-                z = jnp.dot(xi, s0_ref[c, :, :], preferred_element_type=F32)
-                y = jnp.dot((z * 0.5).astype(BF16), s1_ref[c, :, :], preferred_element_type=F32)
-                xi = y.astype(BF16)
-            o_ref[c, i, :, :] = y
+            o_ref[c, i, :, :] = _triton_chain(x_ref[c, i, :, :], s0_ref[c, :, :], s1_ref[c, :, :], steps)[1]
             return carry
 
         lax.fori_loop(0, N, chunk, 0)
@@ -194,10 +196,7 @@ def stream_triton(x, s0, s1, init, steps, num_warps=4, live=0, interpret=False):
 
         def chunk(i, carry):
             xi = x_ref[c, i, :, :]
-            y = None
-            for _ in range(steps):
-                z = jnp.dot(xi if y is None else y.astype(BF16), s0_ref[c, :, :], preferred_element_type=F32)
-                y = jnp.dot((z * 0.5).astype(BF16), s1_ref[c, :, :], preferred_element_type=F32)
+            z, y = _triton_chain(xi, s0_ref[c, :, :], s1_ref[c, :, :], steps)
             o_ref[c, i, :, :] = y
             extras = [z * (1.0 + e) for e in range(live)]
             for k in range(TILES):
