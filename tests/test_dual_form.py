@@ -160,8 +160,9 @@ def test_super_chunks_only_where_the_chunk_end_is_linear():
     not linear), a retention map (moneta), forget-first decay (gradients at P_t θ₀) or packed
     documents (a restart inside a super-chunk)."""
     from atlas_jax import optimizers as inner_opt
-    expect = {"omeganet": 2, "dla": 2, "ttt_mlp": 2, "ttt_mlp_implicit": 2, "titans": 1, "atlas": 1, "moneta": 1,
-              "omeganet_forget_first": 1}
+    n_super = dual.SUPER_CHUNK
+    expect = {"omeganet": n_super, "dla": n_super, "ttt_mlp": n_super, "ttt_mlp_implicit": n_super, "titans": 1,
+              "atlas": 1, "moneta": 1, "omeganet_forget_first": 1}
     for name, n in expect.items():
         spec = _spec(name)
         steps = _one_sequence_steps(spec, 4, 4, 16)

@@ -106,10 +106,11 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # updates of the chunks before it (the dual form's reads at one step), so θ-sized work — the chunk
 # end's product and decay, the scan's copies of the carried θ, the kept states and their
 # cotangents — is done once per SUPER_CHUNK chunks. The chunk-start scheme is unchanged. omeganet
-# B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: 38.26 -> 32.98 ms at 2; at
-# 2 / 4 / 8 (another command) 32.98 / 34.83 / 44.12 (the corrections' products with φ grow with the
-# chunks before); compiled memory at B1 T4096 4.42 -> 3.31 GiB (one kept θ per two chunks).
-SUPER_CHUNK = 2
+# B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: 38.26 -> 32.98 ms at 2
+# with the corrections' Gram matrices as products with φ [n, 8448] (4 / 8: 34.83 / 44.12); with
+# them through φ's kernel (d wide, `_LowRankStart`), in another command against 33.08 for the
+# former at 2: 32.08 / 30.45 / 33.05 at 2 / 4 / 8. Compiled memory at B1 T4096 3.31 -> 3.38 GiB.
+SUPER_CHUNK = 4
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
 # The fused per-chunk scan's parts likewise (Newton–Schulz first: it is inside the chunk end).
@@ -470,43 +471,80 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
 
 
 class _LowRankStart:
-    """A sub-chunk's start θ₀ = p θ_B + Σ_j A_jᵀ diag(w_j) D_j without forming it: θ_B the
-    super-chunk's start, (A_j, D_j) the layer inputs and output cotangents of the sub-chunks
-    before (`source_pass`), w_j their weights in θ₀ and p the decay since θ_B. Its products
-    x θ₀[W] = p (x θ_B[W]) + Σ_j ((x A_jᵀ) ⊙ w_j) D_j are the dual form's reads at one step."""
+    """A sub-chunk's start θ₀ = p θ_B + Σ_s w_s a_s δ_sᵀ without forming it: θ_B the super-chunk's
+    start, (a_s, δ_s) the layer inputs and output cotangents of the sub-chunks before
+    (`source_pass`), w_s their weights in θ₀ and p the decay since θ_B. Its products
+    x θ₀[W] = p (x θ_B[W]) + ((x Aᵀ) ⊙ w) D are the dual form's reads at one step, over every earlier
+    source at once (A, D, w concatenated). For the weights that take the memory's input itself the
+    Gram matrix x Aᵀ = φ(x)·φ(k_s) goes through φ's kernel where both rows' raw inputs are known
+    (d wide; `features.gram`), and as a product only for the Omega window's cached rows, whose raw
+    keys are gone (c − 1 rows a sub-chunk)."""
 
-    def __init__(self, base):
+    def __init__(self, base, features=None):
         self.base = base
-        self.decay, self.updates = jnp.float32(1.0), []
+        self.kernel = features if features is not None and features.has_kernel else None
+        self.decay = jnp.float32(1.0)
+        self.inputs, self.cotangents, self.weights, self.raw = [], [], [], []
+
+    def _cat(self, parts, key):
+        return jnp.concatenate([part[key] for part in parts])
 
     def product(self, key, h):
-        return self.decay * weight_product(h, self.base[key]) + self.correction(key, h)
+        out = self.decay * weight_product(h, self.base[key])
+        return out + self.correction(key, h @ self._cat(self.inputs, key).T) if self.inputs else out
 
-    def correction(self, key, h):
-        out = 0.0
-        for inputs, cotangents, weights in self.updates:
-            out = out + ((h @ inputs[key].T) * weights) @ cotangents[key]
+    def correction(self, key, gram):
+        """((x Aᵀ) ⊙ w) D for the Gram matrix ``gram`` = x Aᵀ [rows, Σ n_s]."""
+        return (gram * jnp.concatenate(self.weights)) @ self._cat(self.cotangents, key)
+
+    def _first_gram(self, key, phi, raw, n_cached):
+        """φ(x)·φ(k_s) [rows, Σ n_s]: ``phi`` the rows' φ, ``raw`` the raw inputs of all but their
+        first ``n_cached`` (or None)."""
+        blocks = []
+        for inputs, raw_s in zip(self.inputs, self.raw):
+            a = inputs[key]
+            if self.kernel is None or raw is None or raw_s is None:
+                blocks.append(phi @ a.T)
+                continue
+            cached_s = a.shape[0] - raw_s.shape[0]
+            block = self.kernel.gram(raw, raw_s)
+            if cached_s:
+                block = jnp.concatenate([phi[n_cached:] @ a[:cached_s].T, block], axis=1)
+            if n_cached:
+                block = jnp.concatenate([phi[:n_cached] @ a.T, block], axis=0)
+            blocks.append(block)
+        return jnp.concatenate(blocks, axis=1)
+
+    def first_products(self, base_products, terms: ChunkTerms, raw_sources=None, raw_queries=None):
+        """A sub-chunk's `first_layer_products` from its products with θ_B; ``raw_sources`` /
+        ``raw_queries``: the raw k of the chunk's own sources (after the window's cached rows) and
+        scale·q, for φ's kernel."""
+        if not self.inputs:
+            return base_products
+        n_cached = terms.src_inputs.shape[0] - (0 if raw_sources is None else raw_sources.shape[0])
+        grams = None
+        out = {}
+        for key, (src, queries) in base_products.items():
+            if grams is None:   # every first-layer weight takes the same input: one pair of Grams
+                grams = (self._first_gram(key, terms.src_inputs, raw_sources, n_cached),
+                         self._first_gram(key, terms.queries, raw_queries, 0))
+            out[key] = (self.decay * src + self.correction(key, grams[0]),
+                        self.decay * queries + self.correction(key, grams[1]))
         return out
 
-    def first_products(self, base_products, terms: ChunkTerms):
-        """A sub-chunk's `first_layer_products` from its products with θ_B."""
-        return {key: (self.decay * src + self.correction(key, terms.src_inputs),
-                      self.decay * queries + self.correction(key, terms.queries))
-                for key, (src, queries) in base_products.items()}
-
-    def end_chunk(self, decay_end, rows, layer_inputs, cotangents):
+    def end_chunk(self, decay_end, rows, layer_inputs, cotangents, raw_sources=None):
         """θ after the sub-chunk: decay_end θ₀ + Σ_s rows[s] a_s δ_sᵀ (GD's chunk end)."""
-        self.updates = [(a, d, decay_end * w) for a, d, w in self.updates] + [(layer_inputs, cotangents, rows)]
+        self.weights = [decay_end * w for w in self.weights] + [rows]
+        self.inputs.append(layer_inputs)
+        self.cotangents.append(cotangents)
+        self.raw.append(raw_sources)
         self.decay = decay_end * self.decay
 
     def materialise(self):
         """θ itself: one matmul per weight over every sub-chunk's sources."""
-        out = {}
-        for key, w in self.base.items():
-            inputs = jnp.concatenate([a[key] for a, _, _ in self.updates])
-            weighted = jnp.concatenate([c[:, None] * d[key] for _, d, c in self.updates])
-            out[key] = inputs.T @ weighted + self.decay * w
-        return out
+        weights = jnp.concatenate(self.weights)
+        return {key: self._cat(self.inputs, key).T @ (weights[:, None] * self._cat(self.cotangents, key))
+                + self.decay * w for key, w in self.base.items()}
 
 
 def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True):
@@ -534,16 +572,17 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     with jax.named_scope(SCOPES["chunk_source"]):
         # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight
         base_products = first_layer_products(spec, carry.params, *terms)
-    start = _LowRankStart(carry.params)
+    start = _LowRankStart(carry.params, features)
     outputs = []
-    for t, base in zip(terms, base_products):
+    for k, (t, base) in enumerate(zip(terms, base_products)):
+        raw_sources, raw_queries = (None, None) if features is None else (xs.inputs[k], xs.queries[k])
         with jax.named_scope(SCOPES["chunk_source"]):
             first_products, layer_inputs, cotangents = _kept_sources(
-                spec, carry.params, t, start.first_products(base, t), product=start.product)
+                spec, carry.params, t, start.first_products(base, t, raw_sources, raw_queries), product=start.product)
         with jax.named_scope(SCOPES["chunk_read"]):
             outputs.append(chunk_read(spec, carry.params, None, None, t, layer_inputs, cotangents, first_products,
                                       product=start.product))
-        start.end_chunk(t.from_start[-1], t.state_rows[-1], layer_inputs, cotangents)
+        start.end_chunk(t.from_start[-1], t.state_rows[-1], layer_inputs, cotangents, raw_sources)
     with jax.named_scope(SCOPES["chunk_end"]):
         params_end = start.materialise()
     return carry._replace(params=params_end, window=win), jnp.concatenate(outputs)
