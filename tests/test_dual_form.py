@@ -130,6 +130,8 @@ def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypa
 # omeganet in pairs runs with the slow set (three sub-chunks cover its code and more)
 SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="omeganet-C8-T45-S2"),
                pytest.param("omeganet", 8, 37, 3, id="omeganet-C8-T37-S3"),
+               # chunks shorter than the window: a sub-chunk's window rows span two sub-chunks
+               pytest.param("omeganet", 2, 13, 3, id="omeganet-C2-T13-S3"),
                pytest.param("ttt_mlp_implicit", 4, 29, 2, id="ttt_mlp_implicit-C4-T29-S2")]
 
 

@@ -109,7 +109,11 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: 38.26 -> 32.98 ms at 2
 # with the corrections' Gram matrices as products with φ [n, 8448] (4 / 8: 34.83 / 44.12); with
 # them through φ's kernel (d wide, `_LowRankStart`), in another command against 33.08 for the
-# former at 2: 32.08 / 30.45 / 33.05 at 2 / 4 / 8. Compiled memory at B1 T4096 3.31 -> 3.38 GiB.
+# former at 2: 32.08 / 30.45 / 33.05 at 2 / 4 / 8. With the window's rows through the kernel too
+# (raw k carried between sub-chunks; the entering window cache's φ in the θ_B product) and the θ_B
+# products kept for the backward pass, a third command: 30.50 -> 27.93 at 4, 27.11 at 8 (but XLA
+# compiles the layer in 86 s at 8 against 36 s at 4: 4 kept). Compiled memory at B1 T4096: 3.31
+# (2, products) -> 2.86 GiB.
 SUPER_CHUNK = 4
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
@@ -189,8 +193,9 @@ class ChunkTerms(NamedTuple):
     next_window: Any            # the window cache after the chunk (WindowCache) or None
 
 
-def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None) -> ChunkTerms:
-    """The θ-free part of one chunk (``win``: the previous c − 1 steps, φ(k) already applied)."""
+def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, raw_window=None) -> ChunkTerms:
+    """The θ-free part of one chunk (``win``: the previous c − 1 steps, φ(k) already applied;
+    ``raw_window``: their raw k where known, for φ's kernel)."""
     retention = spec.retention
     c, b = spec.window, xc.active.shape[0]
     active = xc.active
@@ -233,8 +238,10 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None) ->
     first_gram = None
     if features is not None and features.has_kernel:
         first_gram = features.gram(xc.queries, xc.inputs)                         # [b, b]
-        if win is not None:
-            first_gram = jnp.concatenate([queries @ win.inputs.T, first_gram], axis=1)   # [b, b + c − 1]
+        if win is not None:   # [b, b + c − 1]
+            cached = (features.gram(xc.queries, raw_window)
+                      if raw_window is not None and raw_window.shape[0] == win.inputs.shape[0] else queries @ win.inputs.T)
+            first_gram = jnp.concatenate([cached, first_gram], axis=1)
         if decayed_point:
             first_gram = first_gram[:, window_index.reshape(-1)]                  # [b, b·c]
 
@@ -314,21 +321,23 @@ def first_layer_keys(memory, params, width: int) -> frozenset:
     return frozenset() if layers is None else layers[0]
 
 
-def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms):
+def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms, extra=None):
     """The sources' and the queries' products with every first-layer weight, one matmul each
     ({key: ([n, ·], [b, ·])}): θ's widest rows are read once a chunk rather than twice, and the
     backward pass forms their cotangent in one product rather than two and a sum. omeganet and
     atlas (first layer [8448, 512] per head), B1 T1024 H8 D128 bf16 fwd+bwd on an H200,
     interleaved in one command: 42.2 -> 40.3 ms and 182.1 -> 178.6. With ``more`` chunks' terms
-    (`_super_chunk`), all of them in the same matmul; then a list of such dicts, one per chunk."""
+    (`_super_chunk`), all of them in the same matmul; then a list of such dicts, one per chunk.
+    ``extra``: {name: [d, m]} further matrices the same rows multiply (entries of the dicts too)."""
     pieces = [x for t in (terms,) + more for x in (t.src_inputs, t.queries.astype(t.src_inputs.dtype))]
     edges = [0]
     for piece in pieces:
         edges.append(edges[-1] + piece.shape[0])
     both = jnp.concatenate(pieces)
     outs = [{} for _ in range(1 + len(more))]
-    for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1]):
-        product = weight_product(both, params0[key])
+    weights = {key: params0[key] for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1])}
+    for key, w in {**weights, **(extra or {})}.items():
+        product = weight_product(both, w)
         parts = [product[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
         for out, src, queries in zip(outs, parts[0::2], parts[1::2]):
             out[key] = (src, queries)
@@ -470,6 +479,9 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
     return new_state, outputs
 
 
+CACHED_WINDOW = "_cached_window"   # `_super_chunk`'s extra first-layer product (not a weight)
+
+
 class _LowRankStart:
     """A sub-chunk's start θ₀ = p θ_B + Σ_s w_s a_s δ_sᵀ without forming it: θ_B the super-chunk's
     start, (a_s, δ_s) the layer inputs and output cotangents of the sub-chunks before
@@ -497,11 +509,12 @@ class _LowRankStart:
         """((x Aᵀ) ⊙ w) D for the Gram matrix ``gram`` = x Aᵀ [rows, Σ n_s]."""
         return (gram * jnp.concatenate(self.weights)) @ self._cat(self.cotangents, key)
 
-    def _first_gram(self, key, phi, raw, n_cached):
+    def _first_gram(self, key, phi, raw, n_cached, cached_gram=None):
         """φ(x)·φ(k_s) [rows, Σ n_s]: ``phi`` the rows' φ, ``raw`` the raw inputs of all but their
-        first ``n_cached`` (or None)."""
+        first ``n_cached`` (or None); ``cached_gram``: φ(x)·φ(k_s) for the first sub-chunk's window
+        rows (the entering window cache, φ alone), formed with the products with θ_B."""
         blocks = []
-        for inputs, raw_s in zip(self.inputs, self.raw):
+        for index, (inputs, raw_s) in enumerate(zip(self.inputs, self.raw)):
             a = inputs[key]
             if self.kernel is None or raw is None or raw_s is None:
                 blocks.append(phi @ a.T)
@@ -509,7 +522,8 @@ class _LowRankStart:
             cached_s = a.shape[0] - raw_s.shape[0]
             block = self.kernel.gram(raw, raw_s)
             if cached_s:
-                block = jnp.concatenate([phi[n_cached:] @ a[:cached_s].T, block], axis=1)
+                use = cached_gram is not None and index == 0 and n_cached == 0
+                block = jnp.concatenate([cached_gram if use else phi[n_cached:] @ a[:cached_s].T, block], axis=1)
             if n_cached:
                 block = jnp.concatenate([phi[:n_cached] @ a.T, block], axis=0)
             blocks.append(block)
@@ -517,8 +531,11 @@ class _LowRankStart:
 
     def first_products(self, base_products, terms: ChunkTerms, raw_sources=None, raw_queries=None):
         """A sub-chunk's `first_layer_products` from its products with θ_B; ``raw_sources`` /
-        ``raw_queries``: the raw k of the chunk's own sources (after the window's cached rows) and
-        scale·q, for φ's kernel."""
+        ``raw_queries``: the raw k of the chunk's sources (all but the entering window cache's
+        rows) and scale·q, for φ's kernel. ``base_products[CACHED_WINDOW]``, if there: the rows'
+        products with the entering window cache's φ [d_φ, c − 1]."""
+        base_products = dict(base_products)
+        cached = base_products.pop(CACHED_WINDOW, (None, None))
         if not self.inputs:
             return base_products
         n_cached = terms.src_inputs.shape[0] - (0 if raw_sources is None else raw_sources.shape[0])
@@ -526,8 +543,8 @@ class _LowRankStart:
         out = {}
         for key, (src, queries) in base_products.items():
             if grams is None:   # every first-layer weight takes the same input: one pair of Grams
-                grams = (self._first_gram(key, terms.src_inputs, raw_sources, n_cached),
-                         self._first_gram(key, terms.queries, raw_queries, 0))
+                grams = (self._first_gram(key, terms.src_inputs, raw_sources, n_cached, cached[0]),
+                         self._first_gram(key, terms.queries, raw_queries, 0, cached[1]))
             out[key] = (self.decay * src + self.correction(key, grams[0]),
                         self.decay * queries + self.correction(key, grams[1]))
         return out
@@ -555,34 +572,49 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     restarts: `_super_chunks`)."""
     n_sub = xs.active.shape[0]
     win = carry.window
-    terms = []
+    terms, raw_sources = [], []
+    # The raw k of every sub-chunk's sources where known, for φ's kernel: a sub-chunk's window rows
+    # are the previous sub-chunk's last sources; only the entering window cache's are φ alone.
+    raw_window = None
     with jax.named_scope(SCOPES["chunk_terms"]):
         for k in range(n_sub):
             xc = jax.tree.map(lambda x: x[k], xs)
-            t = chunk_terms(spec, opt_info, features, xc, win)
+            t = chunk_terms(spec, opt_info, features, xc, win, raw_window)
             next_window = t.next_window
+            raw = None
+            if features is not None:
+                raw = xc.inputs if raw_window is None else jnp.concatenate([raw_window, xc.inputs])
+            next_raw_window = None if raw is None or win is None else raw[-win.inputs.shape[0]:]
             if padding_chunks:   # a chunk of padding leaves θ and the window cache alone
                 real = jnp.any(xc.active > 0)
                 t = t._replace(from_start=jnp.where(real, t.from_start, 1.0),
                                state_rows=jnp.where(real, t.state_rows, 0.0))
                 if win is not None:
                     next_window = jax.tree.map(lambda new, old: jnp.where(real, new, old), next_window, win)
+                if raw_window is not None and next_raw_window is not None \
+                        and raw_window.shape == next_raw_window.shape:
+                    next_raw_window = jnp.where(real, next_raw_window, raw_window)
             terms.append(t)
-            win = next_window
+            raw_sources.append(raw)
+            win, raw_window = next_window, next_raw_window
     with jax.named_scope(SCOPES["chunk_source"]):
-        # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight
-        base_products = first_layer_products(spec, carry.params, *terms)
+        # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight,
+        # and, for φ's kernel, times the entering window cache's φ (whose raw k are gone)
+        extra = None
+        if features is not None and features.has_kernel and carry.window is not None:
+            extra = {CACHED_WINDOW: carry.window.inputs.T}
+        base_products = _kept(first_layer_products(spec, carry.params, *terms, extra=extra))
     start = _LowRankStart(carry.params, features)
     outputs = []
-    for k, (t, base) in enumerate(zip(terms, base_products)):
-        raw_sources, raw_queries = (None, None) if features is None else (xs.inputs[k], xs.queries[k])
+    for k, (t, base, raw) in enumerate(zip(terms, base_products, raw_sources)):
+        raw_queries = None if features is None else xs.queries[k]
         with jax.named_scope(SCOPES["chunk_source"]):
             first_products, layer_inputs, cotangents = _kept_sources(
-                spec, carry.params, t, start.first_products(base, t, raw_sources, raw_queries), product=start.product)
+                spec, carry.params, t, start.first_products(base, t, raw, raw_queries), product=start.product)
         with jax.named_scope(SCOPES["chunk_read"]):
             outputs.append(chunk_read(spec, carry.params, None, None, t, layer_inputs, cotangents, first_products,
                                       product=start.product))
-        start.end_chunk(t.from_start[-1], t.state_rows[-1], layer_inputs, cotangents, raw_sources)
+        start.end_chunk(t.from_start[-1], t.state_rows[-1], layer_inputs, cotangents, raw)
     with jax.named_scope(SCOPES["chunk_end"]):
         params_end = start.materialise()
     return carry._replace(params=params_end, window=win), jnp.concatenate(outputs)
