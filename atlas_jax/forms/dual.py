@@ -489,8 +489,9 @@ class _LowRankStart:
     x θ₀[W] = p (x θ_B[W]) + ((x Aᵀ) ⊙ w) D are the dual form's reads at one step, over every earlier
     source at once (A, D, w concatenated). For the weights that take the memory's input itself the
     Gram matrix x Aᵀ = φ(x)·φ(k_s) goes through φ's kernel where both rows' raw inputs are known
-    (d wide; `features.gram`), and as a product only for the Omega window's cached rows, whose raw
-    keys are gone (c − 1 rows a sub-chunk)."""
+    (d wide; `features.gram`); only the entering window cache's c − 1 rows (their raw k are gone)
+    meet φ itself, in the products `_super_chunk` forms with θ_B's (and, with chunks shorter than
+    the window, in a product for the rows that still reach back to them)."""
 
     def __init__(self, base, features=None):
         self.base = base
