@@ -105,15 +105,11 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # (GD; `_super_chunk`): chunk k of a super-chunk takes its gradients at θ_B plus the low-rank
 # updates of the chunks before it (the dual form's reads at one step), so θ-sized work — the chunk
 # end's product and decay, the scan's copies of the carried θ, the kept states and their
-# cotangents — is done once per SUPER_CHUNK chunks. The chunk-start scheme is unchanged. omeganet
-# B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: 38.26 -> 32.98 ms at 2
-# with the corrections' Gram matrices as products with φ [n, 8448] (4 / 8: 34.83 / 44.12); with
-# them through φ's kernel (d wide, `_LowRankStart`), in another command against 33.08 for the
-# former at 2: 32.08 / 30.45 / 33.05 at 2 / 4 / 8. With the window's rows through the kernel too
-# (raw k carried between sub-chunks; the entering window cache's φ in the θ_B product) and the θ_B
-# products kept for the backward pass, a third command: 30.50 -> 27.93 at 4, 27.11 at 8 (but XLA
-# compiles the layer in 86 s at 8 against 36 s at 4: 4 kept). Compiled memory at B1 T4096: 3.31
-# (2, products) -> 2.86 GiB.
+# cotangents — is done once per SUPER_CHUNK chunks. The chunk-start scheme is unchanged. The
+# corrections' Gram matrices go through φ's kernel (d wide), so longer super-chunks stay cheap.
+# omeganet B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: 27.93 ms at 4,
+# 27.11 at 8, but XLA compiles the layer in 86 s at 8 against 36 s at 4 (history:
+# benchmarks/results/deep_memory_h200_2026-11-27d.md).
 SUPER_CHUNK = 4
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
@@ -195,7 +191,7 @@ class ChunkTerms(NamedTuple):
 
 def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, raw_window=None) -> ChunkTerms:
     """The θ-free part of one chunk (``win``: the previous c − 1 steps, φ(k) already applied;
-    ``raw_window``: their raw k where known, for φ's kernel)."""
+    ``raw_window``: all c − 1 of their raw k where known, for φ's kernel)."""
     retention = spec.retention
     c, b = spec.window, xc.active.shape[0]
     active = xc.active
@@ -239,8 +235,7 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     if features is not None and features.has_kernel:
         first_gram = features.gram(xc.queries, xc.inputs)                         # [b, b]
         if win is not None:   # [b, b + c − 1]
-            cached = (features.gram(xc.queries, raw_window)
-                      if raw_window is not None and raw_window.shape[0] == win.inputs.shape[0] else queries @ win.inputs.T)
+            cached = queries @ win.inputs.T if raw_window is None else features.gram(xc.queries, raw_window)
             first_gram = jnp.concatenate([cached, first_gram], axis=1)
         if decayed_point:
             first_gram = first_gram[:, window_index.reshape(-1)]                  # [b, b·c]
@@ -479,7 +474,7 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
     return new_state, outputs
 
 
-CACHED_WINDOW = "_cached_window"   # `_super_chunk`'s extra first-layer product (not a weight)
+CACHED_WINDOW = "_cached_window"   # `_super_chunk`'s extra product in `first_layer_products` (not a weight)
 
 
 class _LowRankStart:
@@ -530,13 +525,12 @@ class _LowRankStart:
             blocks.append(block)
         return jnp.concatenate(blocks, axis=1)
 
-    def first_products(self, base_products, terms: ChunkTerms, raw_sources=None, raw_queries=None):
+    def first_products(self, base_products, terms: ChunkTerms, raw_sources=None, raw_queries=None,
+                       cached=(None, None)):
         """A sub-chunk's `first_layer_products` from its products with θ_B; ``raw_sources`` /
         ``raw_queries``: the raw k of the chunk's sources (all but the entering window cache's
-        rows) and scale·q, for φ's kernel. ``base_products[CACHED_WINDOW]``, if there: the rows'
-        products with the entering window cache's φ [d_φ, c − 1]."""
-        base_products = dict(base_products)
-        cached = base_products.pop(CACHED_WINDOW, (None, None))
+        rows) and scale·q, for φ's kernel; ``cached``: the sources' and queries' products with the
+        entering window cache's φ [d_φ, c − 1]."""
         if not self.inputs:
             return base_products
         n_cached = terms.src_inputs.shape[0] - (0 if raw_sources is None else raw_sources.shape[0])
@@ -571,33 +565,31 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
     where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀, no
     restarts: `_super_chunks`)."""
-    n_sub = xs.active.shape[0]
+    n_sub, b = xs.active.shape[:2]
     win = carry.window
-    terms, raw_sources = [], []
-    # The raw k of every sub-chunk's sources where known, for φ's kernel: a sub-chunk's window rows
-    # are the previous sub-chunk's last sources; only the entering window cache's are φ alone.
-    raw_window = None
+    n_window = 0 if win is None else win.inputs.shape[0]
+    # The raw k of a sub-chunk's sources, for φ's kernel: its window rows are the last ones before
+    # it, so all but the entering window cache's (φ alone) are in the sub-chunks' raw k. (After a
+    # chunk of padding the window cache stays and these rows do not; only chunks of padding follow
+    # it, whose outputs and updates are dropped.)
+    raw_keys = None if features is None else xs.inputs.reshape((n_sub * b,) + xs.inputs.shape[2:])
+    raw_sources = [None if raw_keys is None else raw_keys[max(0, k * b - n_window):(k + 1) * b]
+                   for k in range(n_sub)]
+    terms = []
     with jax.named_scope(SCOPES["chunk_terms"]):
         for k in range(n_sub):
             xc = jax.tree.map(lambda x: x[k], xs)
+            raw_window = None if raw_keys is None or not n_window or k * b < n_window else raw_keys[k * b - n_window:k * b]
             t = chunk_terms(spec, opt_info, features, xc, win, raw_window)
             next_window = t.next_window
-            raw = None
-            if features is not None:
-                raw = xc.inputs if raw_window is None else jnp.concatenate([raw_window, xc.inputs])
-            next_raw_window = None if raw is None or win is None else raw[-win.inputs.shape[0]:]
             if padding_chunks:   # a chunk of padding leaves θ and the window cache alone
                 real = jnp.any(xc.active > 0)
                 t = t._replace(from_start=jnp.where(real, t.from_start, 1.0),
                                state_rows=jnp.where(real, t.state_rows, 0.0))
                 if win is not None:
                     next_window = jax.tree.map(lambda new, old: jnp.where(real, new, old), next_window, win)
-                if raw_window is not None and next_raw_window is not None \
-                        and raw_window.shape == next_raw_window.shape:
-                    next_raw_window = jnp.where(real, next_raw_window, raw_window)
             terms.append(t)
-            raw_sources.append(raw)
-            win, raw_window = next_window, next_raw_window
+            win = next_window
     with jax.named_scope(SCOPES["chunk_source"]):
         # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight,
         # and, for φ's kernel, times the entering window cache's φ (whose raw k are gone)
@@ -609,9 +601,10 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     outputs = []
     for k, (t, base, raw) in enumerate(zip(terms, base_products, raw_sources)):
         raw_queries = None if features is None else xs.queries[k]
+        cached = base.pop(CACHED_WINDOW, (None, None))
         with jax.named_scope(SCOPES["chunk_source"]):
             first_products, layer_inputs, cotangents = _kept_sources(
-                spec, carry.params, t, start.first_products(base, t, raw, raw_queries), product=start.product)
+                spec, carry.params, t, start.first_products(base, t, raw, raw_queries, cached), product=start.product)
         with jax.named_scope(SCOPES["chunk_read"]):
             outputs.append(chunk_read(spec, carry.params, None, None, t, layer_inputs, cotangents, first_products,
                                       product=start.product))
