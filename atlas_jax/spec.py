@@ -463,7 +463,8 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     else:
         pad = (-total) % chunk_size
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
-        run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features)
+        run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features,
+                                                  low_precision=low_precision)
     if deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size, features=features,
                          low_precision=low_precision):
         # The dual form with its sequential pass on the deep-memory kernel (bf16 dots for bf16 inputs).

@@ -299,6 +299,92 @@ def test_weight_product_has_the_matmul_gradients_unbatched_and_vmapped():
     assert rel(dx.astype(jnp.float32), ref_dx) < 2e-2 and rel(dw, ref_dw) < 2e-2
 
 
+@pytest.mark.parametrize("product,layout", [("weight", "x w"), ("outer", "xᵀ g")])
+def test_bf16_operand_products_have_the_matmul_derivatives(product, layout):
+    """`weight_product` / `outer_product` with bf16 operands (`dual.operand_dtype(True)`): the
+    float32 matmul's value, gradients and second derivatives (the chunk's source pass is a VJP
+    inside the forward) within bf16 rounding (2e-2), every product in them on bf16 operands."""
+    bf16 = dual.operand_dtype(True)
+    ks = jax.random.split(jax.random.PRNGKey(4), 4)
+    x = jax.random.normal(ks[0], (7, 11))
+    y = jax.random.normal(ks[1], (11, 5) if product == "weight" else (7, 5))
+    ours = (lambda x, y: dual.weight_product(x, y, bf16)) if product == "weight" else (
+        lambda x, y: dual.outer_product(x, y, bf16))
+    ref = jnp.matmul if product == "weight" else (lambda x, y: x.T @ y)
+    probe = jax.random.normal(ks[2], ref(x, y).shape)
+    probe2 = jax.random.normal(ks[3], x.shape)
+
+    def second(f, y):   # d/dy of <d/dx <f(x, y), probe>, probe2>: the backward's own derivatives
+        return jax.grad(lambda y: jnp.sum(jax.grad(lambda x: jnp.sum(f(x, y) * probe))(x) * probe2))(y)
+
+    assert rel(ours(x, y), ref(x, y)) < 2e-2
+    for a, b in zip(jax.grad(lambda x, y: jnp.sum(ours(x, y) * probe), (0, 1))(x, y),
+                    jax.grad(lambda x, y: jnp.sum(ref(x, y) * probe), (0, 1))(x, y)):
+        assert a.dtype == b.dtype == jnp.float32 and rel(a, b) < 2e-2, layout
+    assert rel(second(ours, y), second(ref, y)) < 2e-2
+    dots = _dot_operand_dtypes(lambda y: second(ours, y), y)
+    assert len(dots) >= 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
+
+
+def _dot_operand_dtypes(fn, *args, theta_shape=None):
+    """The operand dtypes of every dot_general in ``fn``'s program (sub-programs included), or of
+    those that take an operand shaped like θ's weight ``theta_shape`` ([d_in, d_out], or transposed)."""
+    shapes = None if theta_shape is None else (tuple(theta_shape), tuple(theta_shape)[::-1])
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                avals = [v.aval for v in eqn.invars]
+                if shapes is None or any(tuple(a.shape[-2:]) in shapes for a in avals):
+                    found.append(tuple(str(a.dtype) for a in avals))
+            for p in eqn.params.values():
+                for x in (p if isinstance(p, (tuple, list)) else [p]):
+                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("name", ["titans", "omeganet"])
+def test_bf16_inputs_take_bf16_products_with_theta_within_bf16_rounding(name, monkeypatch):
+    """bf16 q, k, v: θ's products (x θ, the chunk-end xᵀ g and the backward's two of each) take bf16
+    operands with float32 accumulation (`dual.operand_dtype`, as the deep-memory kernels do), and
+    the outputs, final state and gradients stay within bf16 rounding of the float32 call (2e-2
+    outputs and states, 5e-2 gradients: the kernels' bars; measured 4e-3 outputs, 8e-3 states,
+    1e-2 gradients). omeganet runs in super-chunks (groups lowered as in the super-chunk test).
+    The float32 call's program has no bf16 product with θ, the bf16 call's no other (autodiff's
+    transposes alone would leave float32 ones in the backward: checked to fail)."""
+    calls = []
+    if name == "omeganet":
+        monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
+        monkeypatch.setattr(dual, "GROUP_TOKENS", 8)
+        super_chunk = dual._super_chunk
+        monkeypatch.setattr(dual, "_super_chunk", lambda *a, **kw: calls.append(1) or super_chunk(*a, **kw))
+    spec = _spec(name)
+    q, k, v, knobs, state, feature_params = _inputs(spec, 3, 1, 29, 2, 8, 8)
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with chunked.dual_form():
+        o, s, g = _loss_and_grads(spec, q, k, v, knobs, state, feature_params, 4)
+        o16, s16, g16 = _loss_and_grads(spec, *low, knobs, state, feature_params, 4)
+        w0 = state.params["W0"].shape[-2:]   # [8 or d_φ, 16]: no other operand is [·, 16] with 8 or d_φ rows
+        call = lambda q, k, v: spec(q, k, v, **knobs, initial_state=state, impl="chunk", chunk_size=4,
+                                    feature_params=feature_params)[0].astype(jnp.float32).sum()
+        dots = {dtype: _dot_operand_dtypes(jax.grad(call, argnums=(0, 1, 2)), *xs, theta_shape=w0)
+                for dtype, xs in (("float32", (q, k, v)), ("bfloat16", low))}
+    assert o16.dtype == jnp.bfloat16 and rel(o16.astype(jnp.float32), o) < 2e-2
+    for path, a, b in _paired(s16, s):
+        assert rel(a, b) < 2e-2, ("state", path, rel(a, b))
+    for label, ga, gb in zip(["q", "k", "v", "knobs", "initial params", "feature coefficients"], g16, g):
+        for path, a, b in _paired(ga, gb):
+            assert rel(jnp.asarray(a, jnp.float32), b) < 5e-2, (label, path, rel(jnp.asarray(a, jnp.float32), b))
+    assert dots["float32"] and all("bfloat16" not in d for d in dots["float32"]), dots["float32"]
+    assert dots["bfloat16"] and all(d == ("bfloat16", "bfloat16") for d in dots["bfloat16"]), dots["bfloat16"]
+    assert bool(calls) == (name == "omeganet")
+
+
 @pytest.mark.parametrize("name", ["omeganet", "dla"])
 def test_backward_transposes_no_weight_of_theta(name):
     """θ's weight cotangents are formed in their stored [d_in, d_out] layout (`weight_product`):

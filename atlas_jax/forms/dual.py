@@ -43,6 +43,7 @@ channel decay, per-token Newton–Schulz, other optax transforms, least squares,
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -282,28 +283,85 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
         reads_end=reads_end, next_window=next_window)
 
 
-@jax.custom_vjp
-def weight_product(x, w):
+def operand_dtype(low_precision: bool):
+    """The dtype θ's products take their operands in: bf16 for bf16 q, k, v (``low_precision``, as
+    `MemorySpec` decides it: bf16 tensor-core products with float32 accumulation and results, as the
+    deep-memory kernels take them), else None (float32 operands at JAX's default precision). θ, the
+    momentum, φ, the Gram matrices and every sum stay float32. bf16 q/k/v, B1 T1024 H8 D128 fwd+bwd
+    on an H200, interleaved in one command: omeganet 27.79 -> 25.90 ms, atlas 178.9 -> 171.4; titans
+    (B4 T4096, its reads) 21.14 -> 21.01 (benchmarks/results/deep_memory_h200_2026-11-27e.md)."""
+    return jnp.dtype(jnp.bfloat16) if low_precision else None
+
+
+# Contracting dimensions of a 2-D product x·y by layout: x y, x yᵀ, xᵀ y.
+_LAYOUTS = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
+# The products that give the cotangents of x and of y from the output's cotangent g, by layout:
+# (layout, left operand, right operand) each.
+_COTANGENTS = {"nn": (("nt", "g", "y"), ("tn", "x", "g")),
+               "nt": (("nn", "g", "y"), ("tn", "g", "x")),
+               "tn": (("nt", "y", "g"), ("nn", "x", "g"))}
+
+
+def _product(x, y, layout, operands=None):
+    """The 2-D product x·y in ``layout``; with ``operands`` (`operand_dtype`) both operands cast to
+    it, a float32 result, and so the backward's products (`_cast_product`)."""
+    if operands is None:
+        return jax.lax.dot_general(x, y, (_LAYOUTS[layout], ((), ())))
+    return _cast_product(x, y, layout, operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cast_product(x, y, layout, operands):
+    """Autodiff's transpose of a product of cast operands multiplies the float32 cotangent with a
+    cast operand: a float32 (TF32) product in the backward, and in the second-order terms of the
+    chunk's source pass. Here the cotangent is cast too, so every product stays in ``operands``."""
+    return jax.lax.dot_general(x.astype(operands), y.astype(operands), (_LAYOUTS[layout], ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _cast_product_fwd(x, y, layout, operands):
+    return _cast_product(x, y, layout, operands), (x, y)
+
+
+def _cast_product_bwd(layout, operands, residuals, g):
+    x, y = residuals
+    named = {"x": x, "y": y, "g": g}
+    dx, dy = (_cast_product(named[left], named[right], inner, operands)
+              for inner, left, right in _COTANGENTS[layout])
+    return dx.astype(x.dtype), dy.astype(y.dtype)
+
+
+_cast_product.defvjp(_cast_product_fwd, _cast_product_bwd)
+
+
+def outer_product(x, g, operands=None):
+    """xᵀ g [d, h] for rows x [n, d] and g [n, h] (a chunk-end update), formed as it is stored."""
+    return _product(x, g, "tn", operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def weight_product(x, w, operands=None):
     """x @ w [n, h] for a weight w [d, h], whose cotangent xᵀ g is formed [d, h] as it is stored.
     Autodiff's transpose of the product forms it [h, d] and transposes it: a state-sized copy per
     product per chunk, which XLA keeps on a GPU (omeganet's first layer, [8448, 512] per head).
     B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: omeganet 40.33 ->
-    39.66 ms, atlas 180.06 -> 179.05. Both operands 2-D (vmap for leading axes)."""
+    39.66 ms, atlas 180.06 -> 179.05. Both operands 2-D (vmap for leading axes). ``operands``: the
+    dtype the products (this one and the backward's two) take their operands in (`operand_dtype`)."""
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"weight_product: arguments `x` [n, d] and `w` [d, h] must be 2-D (vmap over "
                          f"leading axes); got shapes {tuple(x.shape)} and {tuple(w.shape)}.")
-    return x @ w
+    return x @ w if operands is None else _cast_product(x, w, "nn", operands)
 
 
-def _weight_product_fwd(x, w):
-    return weight_product(x, w), (x, w)
+def _weight_product_fwd(x, w, operands):
+    return weight_product(x, w, operands), (x, w)
 
 
-def _weight_product_bwd(residuals, g):
+def _weight_product_bwd(operands, residuals, g):
     x, w = residuals
     g = g.astype(jnp.promote_types(x.dtype, w.dtype))
-    dx = jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())))   # g wᵀ   [n, d]
-    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))   # xᵀ g   [d, h], as w is stored
+    dx = _product(g, w, "nt", operands)   # g wᵀ   [n, d]
+    dw = outer_product(x, g, operands)    # xᵀ g   [d, h], as w is stored
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -316,14 +374,15 @@ def first_layer_keys(memory, params, width: int) -> frozenset:
     return frozenset() if layers is None else layers[0]
 
 
-def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms, extra=None):
+def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms, extra=None, operands=None):
     """The sources' and the queries' products with every first-layer weight, one matmul each
     ({key: ([n, ·], [b, ·])}): θ's widest rows are read once a chunk rather than twice, and the
     backward pass forms their cotangent in one product rather than two and a sum. omeganet and
     atlas (first layer [8448, 512] per head), B1 T1024 H8 D128 bf16 fwd+bwd on an H200,
     interleaved in one command: 42.2 -> 40.3 ms and 182.1 -> 178.6. With ``more`` chunks' terms
     (`_super_chunk`), all of them in the same matmul; then a list of such dicts, one per chunk.
-    ``extra``: {name: [d, m]} further matrices the same rows multiply (entries of the dicts too)."""
+    ``extra``: {name: [d, m]} further matrices the same rows multiply (entries of the dicts too).
+    ``operands``: `operand_dtype`'s."""
     pieces = [x for t in (terms,) + more for x in (t.src_inputs, t.queries.astype(t.src_inputs.dtype))]
     edges = [0]
     for piece in pieces:
@@ -332,20 +391,20 @@ def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms, ex
     outs = [{} for _ in range(1 + len(more))]
     weights = {key: params0[key] for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1])}
     for key, w in {**weights, **(extra or {})}.items():
-        product = weight_product(both, w)
+        product = weight_product(both, w, operands)
         parts = [product[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
         for out, src, queries in zip(outs, parts[0::2], parts[1::2]):
             out[key] = (src, queries)
     return outs if more else outs[0]
 
 
-def source_pass(spec, params0, terms: ChunkTerms, first_products=None, product=None):
+def source_pass(spec, params0, terms: ChunkTerms, first_products=None, product=None, operands=None):
     """Every gradient source through the memory at θ₀ (decayed per source when forget-first): the
     layer inputs a_s and the output cotangents δ_s of every weight, {key: [n, ·]} each.
     ``first_products``: `first_layer_products` (the sources' part is used here). ``product``:
     (key, h) ↦ h θ₀[key] where θ₀ is not ``params0`` itself (`_LowRankStart`; ``params0`` then
-    gives the weights' shapes)."""
-    product = product or (lambda key, h: weight_product(h, params0[key]))
+    gives the weights' shapes). ``operands``: `operand_dtype`'s."""
+    product = product or (lambda key, h: weight_product(h, params0[key], operands))
 
     def tapped(offsets):
         layer_inputs = {}
@@ -369,7 +428,8 @@ def source_pass(spec, params0, terms: ChunkTerms, first_products=None, product=N
     return layer_inputs, cotangents
 
 
-def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_inputs, cotangents) -> MemoryState:
+def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_inputs, cotangents,
+              operands=None) -> MemoryState:
     """The state after the chunk (θ, momentum, accumulator; the window cache is the caller's)."""
     retention = spec.retention
     params0, opt_state, acc0, _ = carry
@@ -379,7 +439,7 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
         """Σ_s rows[s] a_s δ_sᵀ + carry·m₀ + factor·start, one matmul per weight."""
         out = {}
         for key in params0:
-            value = layer_inputs[key].T @ (rows[:, None] * cotangents[key])
+            value = outer_product(layer_inputs[key], rows[:, None] * cotangents[key], operands)
             if start is not None:
                 value = value + start_factor * start[key]
             if carry_coefficient is not None:
@@ -405,13 +465,13 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
 
 
 def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_inputs, cotangents,
-               first_products=None, product=None):
+               first_products=None, product=None, operands=None):
     """o_t = M_{θ_t}(φ(q_t)) for the chunk's steps without forming θ_t (the module docstring's
     layer-by-layer product); steps that read the chunk-end state (``reads_end``) read ``params_end``.
     ``first_products``: `first_layer_products` (the queries' part is used here). ``product``: as
-    `source_pass`'s (without momentum)."""
+    `source_pass`'s (without momentum). ``operands``: `operand_dtype`'s."""
     queries = terms.queries
-    product = product or (lambda key, h: weight_product(h, params0[key]))
+    product = product or (lambda key, h: weight_product(h, params0[key], operands))
 
     def read(key, h):
         if first_products is not None and key in first_products and h is queries:
@@ -419,14 +479,14 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
         else:
             y = terms.from_start[:, None] * product(key, h)
         if terms.state_carry is not None:
-            y = y + terms.state_carry[:, None] * weight_product(h, momentum0[key])
+            y = y + terms.state_carry[:, None] * weight_product(h, momentum0[key], operands)
         # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
         gram = terms.first_gram if (terms.first_gram is not None and h is queries) else h @ layer_inputs[key].T
         return y + (terms.state_rows * gram) @ cotangents[key]
 
     outputs = spec.memory.apply_linear(queries, read)
     if spec.retention.has_map or inner_opt.info(spec.optimizer).kind == "muon":
-        at_end = spec.memory.apply_linear(queries, lambda key, h: weight_product(h, params_end[key]))
+        at_end = spec.memory.apply_linear(queries, lambda key, h: weight_product(h, params_end[key], operands))
         outputs = jnp.where((terms.reads_end > 0)[:, None], at_end, outputs)
     return outputs
 
@@ -436,34 +496,36 @@ def _kept(tree):
     return jax.tree.map(lambda x: checkpoint_name(x, CHUNK_RESIDUAL), tree)
 
 
-def _kept_sources(spec, params0, terms: ChunkTerms, first_products, product=None):
+def _kept_sources(spec, params0, terms: ChunkTerms, first_products, product=None, operands=None):
     """`source_pass` with the chunk's non-θ-sized products named CHUNK_RESIDUAL: (first products,
     layer inputs, cotangents); φ itself (the first layer's input) is not kept."""
     first_products = _kept(first_products)
-    layer_inputs, cotangents = source_pass(spec, params0, terms, first_products, product=product)
+    layer_inputs, cotangents = source_pass(spec, params0, terms, first_products, product=product, operands=operands)
     layer_inputs = {key: h if key in first_products else _kept(h) for key, h in layer_inputs.items()}
     return first_products, layer_inputs, _kept(cotangents)
 
 
 def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_chunks=True,
-               terms: ChunkTerms | None = None):
+               terms: ChunkTerms | None = None, operands=None):
     """One chunk of b steps in the dual form; returns (state after it, outputs [b, d_out]).
 
     With ``features`` the steps carry raw k and scale·q, and φ is formed here, chunk-locally.
     ``padding_chunks``: whole chunks of padding may occur (they must leave the state alone).
-    ``terms``: the chunk's θ-free terms when the caller formed them (`_split_terms`)."""
+    ``terms``: the chunk's θ-free terms when the caller formed them (`_split_terms`). ``operands``:
+    `operand_dtype`'s."""
     if terms is None:
         with jax.named_scope(SCOPES["chunk_terms"]):
             terms = chunk_terms(spec, opt_info, features, xc, carry.window)
     with jax.named_scope(SCOPES["chunk_source"]):
         first_products, layer_inputs, cotangents = _kept_sources(
-            spec, carry.params, terms, first_layer_products(spec, carry.params, terms))
+            spec, carry.params, terms, first_layer_products(spec, carry.params, terms, operands=operands),
+            operands=operands)
     with jax.named_scope(SCOPES["chunk_end"]):
-        new_state = chunk_end(spec, opt_info, carry, terms, layer_inputs, cotangents)
+        new_state = chunk_end(spec, opt_info, carry, terms, layer_inputs, cotangents, operands)
     momentum0 = None if terms.momentum_rows is None else carry.opt_state.momentum
     with jax.named_scope(SCOPES["chunk_read"]):
         outputs = chunk_read(spec, carry.params, momentum0, new_state.params, terms, layer_inputs, cotangents,
-                             first_products)
+                             first_products, operands=operands)
     new_state = new_state._replace(window=terms.next_window)
     if padding_chunks:
         # Whole chunks of padding (added to fill the last rematerialisation group) leave the state
@@ -488,8 +550,8 @@ class _LowRankStart:
     meet φ itself, in the products `_super_chunk` forms with θ_B's (and, with chunks shorter than
     the window, in a product for the rows that still reach back to them)."""
 
-    def __init__(self, base, features=None):
-        self.base = base
+    def __init__(self, base, features=None, operands=None):
+        self.base, self.operands = base, operands
         self.kernel = features if features is not None and features.has_kernel else None
         self.decay = jnp.float32(1.0)
         self.inputs, self.cotangents, self.weights, self.raw = [], [], [], []
@@ -498,7 +560,7 @@ class _LowRankStart:
         return jnp.concatenate([part[key] for part in parts])
 
     def product(self, key, h):
-        out = self.decay * weight_product(h, self.base[key])
+        out = self.decay * weight_product(h, self.base[key], self.operands)
         return out + self.correction(key, h @ self._cat(self.inputs, key).T) if self.inputs else out
 
     def correction(self, key, gram):
@@ -555,11 +617,11 @@ class _LowRankStart:
     def materialise(self):
         """θ itself: one matmul per weight over every sub-chunk's sources."""
         weights = jnp.concatenate(self.weights)
-        return {key: self._cat(self.inputs, key).T @ (weights[:, None] * self._cat(self.cotangents, key))
-                + self.decay * w for key, w in self.base.items()}
+        return {key: outer_product(self._cat(self.inputs, key), weights[:, None] * self._cat(self.cotangents, key),
+                                   self.operands) + self.decay * w for key, w in self.base.items()}
 
 
-def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True):
+def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None):
     """``SUPER_CHUNK`` chunks of the grouped scan with θ formed once, at their end: chunk k > 0
     takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`): what
     `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
@@ -596,8 +658,8 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
         extra = None
         if features is not None and features.has_kernel and carry.window is not None:
             extra = {CACHED_WINDOW: carry.window.inputs.T}
-        base_products = _kept(first_layer_products(spec, carry.params, *terms, extra=extra))
-    start = _LowRankStart(carry.params, features)
+        base_products = _kept(first_layer_products(spec, carry.params, *terms, extra=extra, operands=operands))
+    start = _LowRankStart(carry.params, features, operands)
     outputs = []
     for k, (t, base, raw) in enumerate(zip(terms, base_products, raw_sources)):
         raw_queries = None if features is None else xs.queries[k]
@@ -607,7 +669,7 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
                 spec, carry.params, t, start.first_products(base, t, raw, raw_queries, cached), product=start.product)
         with jax.named_scope(SCOPES["chunk_read"]):
             outputs.append(chunk_read(spec, carry.params, None, None, t, layer_inputs, cotangents, first_products,
-                                      product=start.product))
+                                      product=start.product, operands=operands))
         start.end_chunk(t.from_start[-1], t.state_rows[-1], layer_inputs, cotangents, raw)
     with jax.named_scope(SCOPES["chunk_end"]):
         params_end = start.materialise()
@@ -623,18 +685,20 @@ def _super_chunks(spec, opt_info, steps: Steps) -> int:
 
 
 def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
-                  boundary_bytes_per_token=None):
+                  boundary_bytes_per_token=None, low_precision: bool = False):
     """The dual form for one sequence and head (steps padded to a multiple of ``chunk_size``):
     the same (final state, outputs [S, d_out]) as the materialising chunked form.
 
     ``features`` (a ``common.Features``): the steps' inputs and queries are the raw k and scale·q,
-    and φ is formed chunk by chunk (what the backward pass keeps is then d wide, not d_φ)."""
+    and φ is formed chunk by chunk (what the backward pass keeps is then d wide, not d_φ).
+    ``low_precision``: θ's products take bf16 operands (`operand_dtype`)."""
     opt_info = inner_opt.info(spec.optimizer)
+    operands = operand_dtype(low_precision)
     aligned = _aligned_features(spec, state, steps, features)
     if aligned is not None:
         features, pad_state, unpad_state = aligned
         final, outputs = dual_sequence(spec, pad_state(state), steps, chunk_size=chunk_size, features=features,
-                                       boundary_bytes_per_token=boundary_bytes_per_token)
+                                       boundary_bytes_per_token=boundary_bytes_per_token, low_precision=low_precision)
         return unpad_state(final), outputs
     b = chunk_size
     total = steps.active.shape[0]
@@ -657,7 +721,7 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
 
     def one(carry, xs):
         xc, terms = xs if hoist else (xs, None)
-        return _one_chunk(spec, opt_info, features, carry, xc, padding_chunks=pad >= b, terms=terms)
+        return _one_chunk(spec, opt_info, features, carry, xc, padding_chunks=pad >= b, terms=terms, operands=operands)
 
     # grouped: the group's rematerialised forward keeps what CHUNK_RESIDUAL names
     policy = None if per_group == 1 else jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL)
@@ -675,7 +739,8 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
             grouped = jax.tree.map(lambda x: x[:, :, 0], grouped)
         else:
             chunk = jax.checkpoint(
-                lambda carry, xs: _super_chunk(spec, opt_info, features, carry, xs, padding_chunks=pad >= b),
+                lambda carry, xs: _super_chunk(spec, opt_info, features, carry, xs, padding_chunks=pad >= b,
+                                               operands=operands),
                 policy=policy)
         # Not unrolled (CHUNK_UNROLL): on an H200 unrolling by 4 made omeganet B1 T1024 H8 D128 bf16
         # fwd+bwd 45.1 -> 42.1 ms and atlas 190.2 -> 185.9, but XLA's compiled memory at B1 T4096
@@ -798,7 +863,7 @@ def _split_terms(spec, opt_info, features, state: MemoryState, chunks: Steps):
     return jax.vmap(lambda xc, win: chunk_terms(spec, opt_info, features, xc, win))(chunks, windows)
 
 
-def _split_reads(spec, starts: MemoryState, final: MemoryState, terms: ChunkTerms, sources=None):
+def _split_reads(spec, starts: MemoryState, final: MemoryState, terms: ChunkTerms, sources=None, operands=None):
     """Every chunk's outputs [N, b, d_out] from its start and end states (chunk-parallel).
     ``sources``: every chunk's source pass as the state pass formed it (an ``MLPSources`` of a
     depth-2 MLP, [N, n, ...]), else it is formed again here from the start states."""
@@ -806,13 +871,14 @@ def _split_reads(spec, starts: MemoryState, final: MemoryState, terms: ChunkTerm
 
     def read(start: MemoryState, params_end, chunk_terms_, src):
         if src is None:
-            layer_inputs, cotangents = source_pass(spec, start.params, chunk_terms_)
+            layer_inputs, cotangents = source_pass(spec, start.params, chunk_terms_, operands=operands)
         else:
             layer_inputs = {"W0": chunk_terms_.src_inputs, "W1": src.hidden}
             cotangents = {"W0": src.d0, "W1": spec.objective.output_grad(src.y, chunk_terms_.src_targets,
                                                                          chunk_terms_.src_delta)}
         momentum0 = None if chunk_terms_.momentum_rows is None else start.opt_state.momentum
-        return chunk_read(spec, start.params, momentum0, params_end, chunk_terms_, layer_inputs, cotangents)
+        return chunk_read(spec, start.params, momentum0, params_end, chunk_terms_, layer_inputs, cotangents,
+                          operands=operands)
 
     return jax.vmap(read)(starts, ends, terms, sources)
 
@@ -841,8 +907,8 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
                         low_precision: bool = False):
     """The split dual form for [B, H, S, ...] steps (padded to a multiple of ``chunk_size``) with
     its sequential pass on the state-pass kernel (``ops.deep_memory.mlp_state_pass``, impl
-    "pallas"); ``kernel_gap`` must be None. ``low_precision``: the kernel's dots take bf16
-    operands (float32 accumulation). Returns (final state [B, H, ...], outputs [B, H, S, d_out])."""
+    "pallas"); ``kernel_gap`` must be None. ``low_precision``: the kernel's dots and the reads'
+    products with θ take bf16 operands (float32 accumulation; `operand_dtype`). Returns (final state [B, H, ...], outputs [B, H, S, d_out])."""
     from atlas_jax.ops.deep_memory import MLPStates, mlp_state_pass
 
     opt_info = inner_opt.info(spec.optimizer)
@@ -879,7 +945,8 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
                              state.opt_state)
     starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
     with jax.named_scope(SCOPES["reads"]):
-        outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src))(starts, final, terms, sources)
+        outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src, operand_dtype(low_precision)))(
+            starts, final, terms, sources)
     window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
     outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])
     return final._replace(window=window), outputs
