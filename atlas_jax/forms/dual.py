@@ -288,8 +288,8 @@ def operand_dtype(low_precision: bool):
     `MemorySpec` decides it: bf16 tensor-core products with float32 accumulation and results, as the
     deep-memory kernels take them), else None (float32 operands at JAX's default precision). θ, the
     momentum, φ, the Gram matrices and every sum stay float32. bf16 q/k/v, B1 T1024 H8 D128 fwd+bwd
-    on an H200, interleaved in one command: omeganet 27.79 -> 25.90 ms, atlas 178.9 -> 171.4; titans
-    (B4 T4096, its reads) 21.14 -> 21.01 (benchmarks/results/deep_memory_h200_2026-11-27e.md)."""
+    on an H200, interleaved in one command: omeganet 27.82 -> 24.32 ms, atlas 177.5 -> 168.6; titans
+    (B4 T4096, its reads) 21.23 -> 21.08 (benchmarks/results/deep_memory_h200_2026-11-27e.md)."""
     return jnp.dtype(jnp.bfloat16) if low_precision else None
 
 
