@@ -34,6 +34,10 @@ degree 2, d = 128). So the backward pass keeps nothing of size [T, d_φ] either 
 D128 grew by 2.61 MiB per token of compiled temp memory with φ applied to the whole sequence
 first, 0.24 with it here; atlas with per-chunk NS 2.83 → 0.46).
 
+Precision: θ, the momentum, φ, the coefficients and every sum are float32; with bf16 q, k, v
+(``low_precision``) the products with θ take bf16 operands with float32 accumulation, forward and
+backward (`operand_dtype`, `_cast_product`), as the deep-memory kernels' dots do.
+
 Covered: memories with ``apply_linear`` whose θ is exactly those weights (LinearMemory, MLPMemory,
 GatedMLPMemory); GD, implicit GD, momentum (both conventions) and Muon with ``ns_every="chunk"``;
 every objective (``objective.output_grad`` is per token); the Omega window with per-token or
