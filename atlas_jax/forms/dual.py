@@ -743,8 +743,7 @@ class _AlignedFeatures:
         self.features, self.pad = features, pad
 
     def __call__(self, x):
-        y = self.features(x)
-        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
+        return self.features(x, self.pad)
 
     def output_dim(self, d):
         return self.features.output_dim(d) + self.pad
