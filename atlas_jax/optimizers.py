@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from atlas_jax.linalg import product
+
 __all__ = [
     "OptimizerInfo", "MomentumState", "LeastSquaresState", "MUON_COEFFICIENTS", "CUBIC_COEFFICIENTS",
     "gd", "momentum", "muon", "implicit_gd", "least_squares", "multi_step", "newton_schulz",
@@ -232,28 +234,26 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     ill-conditioned [2145, 256] matrices: float32 1.0e-5 (direct 9.4e-6), TF32-rounded operands
     (a GPU's default float32 matmul) 5.7e-3 (direct 5.6e-3), bf16 operands 5.1e-2 (direct 4.6e-2;
     `benchmarks/results/ns_gram_route_cpu_2026-11-26.md`).
-    "auto": "gram" for float32 operands on matrices at least 4× longer than wide with ≥ 2¹⁸
-    entries, else "direct".
+    "auto": "gram" on matrices at least 4× longer than wide with ≥ 2¹⁸ entries, else "direct".
+    With bf16 operands too: its difference is the direct route's order (above), it memorises the
+    same (recall within 1e-3, `ns_schedule_memorization_cpu_2026-11-25.md`), and atlas' layer
+    (B1 T1024 H8 D128, NS per chunk on bf16 operands, fwd+bwd, one command on an H200) takes
+    131.2 ms through it against 187.7 direct (166.1 with float32 operands through the Gram matrix).
     """
     if method not in NS_METHODS:
         raise ValueError(f"newton_schulz: argument `method` must be one of {NS_METHODS}; got {method!r}.")
     a, b, c = coefficients
-    low = NS_DTYPES[operand_dtype]
-    mm = lambda u, v: jnp.matmul(u.astype(low), v.astype(low), preferred_element_type=jnp.float32)
+    # bf16 operands through `linalg.product`, whose backward casts the cotangent too (autodiff's
+    # transposes would multiply it in float32 with a bf16 operand: TF32 products)
+    low = None if operand_dtype == "float32" else jnp.dtype(NS_DTYPES[operand_dtype])
+    mm = lambda u, v: product(u, v, "nn", low)
     x = x.astype(jnp.float32)
     # A tall matrix keeps its layout: its Gram matrix is XᵀX and the polynomial multiplies from the
     # right (X (bA + cA²)ᵀ for the wide (bA + cA²) X), the same products without transposing a
     # state-sized X twice per orthogonalisation.
     tall = x.shape[-2] > x.shape[-1]
-    batch = tuple(range(x.ndim - 2))
-    row, col = x.ndim - 2, x.ndim - 1
-
-    def contract(u, v, u_axis, v_axis):   # Σ over one axis of each, batched over the leading axes
-        return jax.lax.dot_general(u.astype(low), v.astype(low), (((u_axis,), (v_axis,)), (batch, batch)),
-                                   preferred_element_type=jnp.float32)
-
-    gram_of = (lambda u: contract(u, u, row, row)) if tall else (lambda u: contract(u, u, col, col))
-    apply_left = (lambda left, u: contract(u, left, col, col)) if tall else mm
+    gram_of = (lambda u: product(u, u, "tn", low)) if tall else (lambda u: product(u, u, "nt", low))
+    apply_left = (lambda left, u: product(u, left, "nt", low)) if tall else mm
     # A zero momentum (an empty packed row, a token without gradient) must give a zero direction
     # and a finite gradient: √ has an infinite derivative at 0, so take it only where it is > 0.
     sq = jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
@@ -261,8 +261,7 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     x = x / (norm + eps)
     short, long = min(x.shape[-2:]), max(x.shape[-2:])
     if method == "auto":
-        method = ("gram" if operand_dtype == "float32" and long >= _GRAM_MIN_ASPECT * short
-                  and long * short >= _GRAM_MIN_SIZE else "direct")
+        method = "gram" if long >= _GRAM_MIN_ASPECT * short and long * short >= _GRAM_MIN_SIZE else "direct"
     if method == "gram":
         return _newton_schulz_gram(x, steps, coefficients, mm, gram_of, apply_left, short)
     for _ in range(steps):

@@ -43,6 +43,8 @@ ENTRIES = {   # entry name -> (preset, preset options, what the table says)
     "atlas": ("atlas", {"ns_every": "chunk"}, "atlas, NS per chunk"),
     "atlas_token": ("atlas", {"ns_every": "token"}, "atlas, NS per token"),
     "atlas_ns_bf16": ("atlas", {"ns_every": "chunk", "ns_dtype": "bfloat16"}, "atlas, NS per chunk on bf16 operands"),
+    "atlas_ns_bf16_gram": ("atlas", {"ns_every": "chunk", "ns_dtype": "bfloat16", "ns_method": "gram"},
+                           "atlas, NS per chunk on bf16 operands through the Gram matrix"),
     "atlas_ns_direct": ("atlas", {"ns_every": "chunk", "ns_method": "direct"},
                         "atlas, NS per chunk iterated on the momentum itself (no Gram route)"),
 }

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import deep_spec_inputs as _inputs
+from helpers import dot_operand_dtypes as _dot_operand_dtypes
 from helpers import rel, tree_rel
 
 from atlas_jax import optimizers as opt
@@ -324,28 +325,6 @@ def test_bf16_operand_products_have_the_matmul_derivatives(product, layout):
     assert rel(second(ours, y), second(ref, y)) < 2e-2
     dots = _dot_operand_dtypes(lambda y: second(ours, y), y)
     assert len(dots) >= 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
-
-
-def _dot_operand_dtypes(fn, *args, theta_shape=None):
-    """The operand dtypes of every dot_general in ``fn``'s program (sub-programs included), or of
-    those that take an operand shaped like θ's weight ``theta_shape`` ([d_in, d_out], or transposed)."""
-    shapes = None if theta_shape is None else (tuple(theta_shape), tuple(theta_shape)[::-1])
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                avals = [v.aval for v in eqn.invars]
-                if shapes is None or any(tuple(a.shape[-2:]) in shapes for a in avals):
-                    found.append(tuple(str(a.dtype) for a in avals))
-            for p in eqn.params.values():
-                for x in (p if isinstance(p, (tuple, list)) else [p]):
-                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
 
 
 @pytest.mark.parametrize("name", ["titans", "omeganet"])

@@ -1,11 +1,12 @@
-"""The matmul-only unit lower-triangular solve that the XLA chunk forms use (atlas_jax.linalg)."""
+"""atlas_jax.linalg: the layout-keeping product, and the matmul-only unit lower-triangular solve
+that the XLA chunk forms use."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.scipy.linalg import solve_triangular
 
-from atlas_jax.linalg import solve_unit_lower, unit_lower_inverse
+from atlas_jax.linalg import product, solve_unit_lower, unit_lower_inverse
 
 
 def wy_system(seed, n, batch=(3, 2), k_dim=8, m=5):
@@ -57,3 +58,38 @@ def test_gradients_match_trsm():
 def test_rejects_non_square():
     with pytest.raises(ValueError, match="square"):
         unit_lower_inverse(jnp.zeros((3, 4)))
+
+
+PLAIN = {"nn": lambda x, y: x @ y, "nt": lambda x, y: x @ jnp.swapaxes(y, -1, -2),
+         "tn": lambda x, y: jnp.swapaxes(x, -1, -2) @ y}
+
+
+@pytest.mark.parametrize("layout", sorted(PLAIN))
+def test_product_has_the_matmul_value_and_derivatives_in_every_layout(layout):
+    """`product` (cotangents formed in their operands' layouts): the plain matmul's value, gradients
+    and second derivatives, float32 with a batch axis to rounding (≤ 1e-6: the same sums), and with
+    bf16 operands to bf16 rounding (2e-2) with every product of the first and second derivatives
+    on bf16 operands (autodiff's transposes would multiply a float32 cotangent: TF32 on a GPU)."""
+    from helpers import dot_operand_dtypes, rel
+    ks = jax.random.split(jax.random.PRNGKey(len(layout) + ord(layout[0])), 4)
+    x_shape = {"nn": (3, 7, 11), "nt": (3, 7, 11), "tn": (3, 11, 7)}[layout]
+    y_shape = {"nn": (3, 11, 5), "nt": (3, 5, 11), "tn": (3, 11, 5)}[layout]
+    x, y = jax.random.normal(ks[0], x_shape), jax.random.normal(ks[1], y_shape)
+    probe, probe2 = jax.random.normal(ks[2], (3, 7, 5)), jax.random.normal(ks[3], x_shape)
+
+    def derivatives(f):
+        first = jax.grad(lambda x, y: jnp.sum(f(x, y) * probe), (0, 1))(x, y)
+        second = jax.grad(lambda y: jnp.sum(jax.grad(lambda x: jnp.sum(f(x, y) * probe))(x) * probe2))(y)
+        return (f(x, y),) + first + (second,)
+
+    want = derivatives(PLAIN[layout])
+    for operands, bar in ((None, 1e-6), (jnp.dtype(jnp.bfloat16), 2e-2)):
+        got = derivatives(lambda x, y: product(x, y, layout, operands))
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == jnp.float32 and rel(a, b) < bar, (layout, operands)
+    dots = dot_operand_dtypes(lambda y: derivatives(lambda x, y: product(x, y, layout, jnp.bfloat16))[-1], y)
+    assert len(dots) >= 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
+    with pytest.raises(ValueError, match="layout"):
+        product(x, y, "tt")
+    with pytest.raises(ValueError, match="same leading"):
+        product(x[0], y, layout)

@@ -6,10 +6,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from atlas_jax import presets
 from atlas_jax import optimizers as opt
-from helpers import numpy_delta_family, random_inputs, rel
+from helpers import dot_operand_dtypes, numpy_delta_family, random_inputs, rel
 
 T = 77   # odd, and not a multiple of any chunk size used
 
@@ -121,6 +122,22 @@ def test_newton_schulz_on_bf16_operands_still_orthogonalises_and_atlas_runs_with
         raise AssertionError("muon(ns_dtype='float16') must raise")
 
 
+@pytest.mark.parametrize("method", ["direct", "gram"])
+def test_newton_schulz_on_bf16_operands_keeps_its_backward_on_bf16_operands(method):
+    """ns_dtype="bfloat16": every product of Newton–Schulz's gradient takes bf16 operands (through
+    `linalg.product`: autodiff's transposes would multiply the float32 cotangent with a bf16
+    operand, a TF32 product on a GPU, which made bf16 NS no faster than float32 forward+backward:
+    benchmarks/results/newton_schulz_h200_2026-11-26.md); float32 operands stay float32. Tall and
+    wide momenta, both routes."""
+    for shape in ((40, 12), (12, 40)):
+        m = jax.random.normal(jax.random.PRNGKey(3), (2,) + shape)
+        cot = jax.random.normal(jax.random.PRNGKey(4), (2,) + shape)
+        for dtype in ("bfloat16", "float32"):
+            grad = jax.grad(lambda m: jnp.sum(opt.newton_schulz(m, 5, operand_dtype=dtype, method=method) * cot))
+            dots = dot_operand_dtypes(grad, m)
+            assert len(dots) >= 10 and set(dots) == {(dtype, dtype)}, (shape, dtype, set(dots))
+
+
 def test_newton_schulz_through_the_gram_matrix_equals_the_direct_iteration():
     """newton_schulz(method="gram"): the same polynomial of X carried on n × n matrices
     (X_k = R_k X_0, A_k = R_k A_0 R_kᵀ, one restart halfway, R X as αX + (R − αI)X). Against
@@ -164,7 +181,8 @@ def test_newton_schulz_through_the_gram_matrix_equals_the_direct_iteration():
     assert jaxpr((256, 1100)) == jaxpr((256, 1100), method="gram")
     assert jaxpr((256, 64)) == jaxpr((256, 64), method="direct")                # small
     assert jaxpr((700, 256)) == jaxpr((700, 256), method="direct")              # 2.7× tall
-    assert jaxpr((1100, 256), operand_dtype="bfloat16") == jaxpr((1100, 256), operand_dtype="bfloat16", method="direct")
+    assert jaxpr((1100, 256), operand_dtype="bfloat16") == jaxpr((1100, 256), operand_dtype="bfloat16", method="gram")
+    assert jaxpr((700, 256), operand_dtype="bfloat16") == jaxpr((700, 256), operand_dtype="bfloat16", method="direct")
     spec = presets.get("atlas", ns_every="chunk", hidden=16, ns_method="direct")
     assert opt.info(spec.optimizer).ns_method == "direct"
     for bad in (lambda: opt.muon(ns_method="fast"), lambda: opt.newton_schulz(wide, 5, method="fast")):

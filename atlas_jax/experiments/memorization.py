@@ -45,9 +45,10 @@ def _linear(objective, retention=None, feature_map=None):
     return make
 
 
-def _atlas_chunked(cfg, ns_every, ns_dtype="float32"):
+def _atlas_chunked(cfg, ns_every, ns_dtype="float32", ns_method="auto"):
     return MemorySpec(MLPMemory(2, cfg.hidden, residual=True), Polynomial(cfg.degree), L2(), cfg.window,
-                      opt.muon(1.0, 0.9, 5, ns_every=ns_every, ns_dtype=ns_dtype), ret.scalar(0.0, decoupled=True),
+                      opt.muon(1.0, 0.9, 5, ns_every=ns_every, ns_dtype=ns_dtype, ns_method=ns_method),
+                      ret.scalar(0.0, decoupled=True),
                       impl="chunk", chunk_size=cfg.chunk_size)
 
 
@@ -72,6 +73,10 @@ MEMORIES = {
     # the same with Newton–Schulz on bf16 operands (muon(ns_dtype="bfloat16"), as Muon runs it)
     "atlas_ns_bf16": ("ATLAS, chunk-start form, NS per chunk, bf16 NS operands",
                       lambda c: _atlas_chunked(c, "chunk", "bfloat16"), (0.003, 0.01, 0.03, 0.1)),
+    # and through the Gram matrix (newton_schulz(method="gram"); "auto" takes it only for momenta at
+    # least 4× taller than wide with ≥ 2¹⁸ entries, not this experiment's [153, 64])
+    "atlas_ns_bf16_gram": ("ATLAS, chunk-start form, NS per chunk, bf16 NS operands, Gram route",
+                           lambda c: _atlas_chunked(c, "chunk", "bfloat16", "gram"), (0.003, 0.01, 0.03, 0.1)),
     "atlas_adam": ("ATLAS memory + optax.adam",
                    lambda c: MemorySpec(MLPMemory(2, c.hidden, residual=True), Polynomial(c.degree), L2(),
                                         c.window, optax.chain(optax.scale_by_adam(), opt.gd()),
@@ -79,7 +84,7 @@ MEMORIES = {
 }
 # the memories whose feature map is Polynomial(degree), which reads poly_coeffs
 POLYNOMIAL_MEMORIES = ("deltanet_poly2", "atlas", "atlas_chunked", "atlas_ns_per_chunk", "atlas_ns_bf16",
-                       "atlas_adam")
+                       "atlas_ns_bf16_gram", "atlas_adam")
 
 
 @dataclass(frozen=True)

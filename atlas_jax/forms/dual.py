@@ -36,7 +36,7 @@ first, 0.24 with it here; atlas with per-chunk NS 2.83 → 0.46).
 
 Precision: θ, the momentum, φ, the coefficients and every sum are float32; with bf16 q, k, v
 (``low_precision``) the products with θ take bf16 operands with float32 accumulation, forward and
-backward (`operand_dtype`, `_product`), as the deep-memory kernels' dots do.
+backward (`operand_dtype`, `linalg.product`), as the deep-memory kernels' dots do.
 
 Covered: memories with ``apply_linear`` whose θ is exactly those weights (LinearMemory, MLPMemory,
 GatedMLPMemory); GD, implicit GD, momentum (both conventions) and Muon with ``ns_every="chunk"``;
@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax import optimizers as inner_opt
+from atlas_jax.linalg import product
 from atlas_jax.forms.common import (
     MemoryState,
     Steps,
@@ -297,59 +298,19 @@ def operand_dtype(low_precision: bool):
     return jnp.dtype(jnp.bfloat16) if low_precision else None
 
 
-# Contracting dimensions of a 2-D product x·y by layout: x y, x yᵀ, xᵀ y.
-_LAYOUTS = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
-# The products that give the cotangents of x and of y from the output's cotangent g, by layout:
-# (layout, left operand, right operand) each.
-_COTANGENTS = {"nn": (("nt", "g", "y"), ("tn", "x", "g")),
-               "nt": (("nn", "g", "y"), ("tn", "g", "x")),
-               "tn": (("nt", "y", "g"), ("nn", "x", "g"))}
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _product(x, y, layout, operands):
-    """The 2-D product x·y in ``layout``, each cotangent formed by such a product in its operand's
-    own layout. Autodiff's transpose of x @ w forms the weight's cotangent [h, d] and transposes
-    it: a state-sized copy per product per chunk, which XLA keeps on a GPU (omeganet's first layer,
-    [8448, 512] per head; B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command:
-    omeganet 40.33 -> 39.66 ms, atlas 180.06 -> 179.05). ``operands`` (`operand_dtype`): both
-    operands cast to it, a float32 result; the backward casts the cotangent too, where autodiff's
-    transpose would multiply the float32 cotangent with a cast operand (a TF32 product, in the
-    backward and in the source pass's second-order terms). None: the promoted dtype."""
-    if operands is None:
-        dtype = jnp.promote_types(x.dtype, y.dtype)
-        return jax.lax.dot_general(x.astype(dtype), y.astype(dtype), (_LAYOUTS[layout], ((), ())))
-    return jax.lax.dot_general(x.astype(operands), y.astype(operands), (_LAYOUTS[layout], ((), ())),
-                               preferred_element_type=jnp.float32)
-
-
-def _product_fwd(x, y, layout, operands):
-    return _product(x, y, layout, operands), (x, y)
-
-
-def _product_bwd(layout, operands, residuals, g):
-    x, y = residuals
-    named = {"x": x, "y": y, "g": g}
-    dx, dy = (_product(named[left], named[right], inner, operands) for inner, left, right in _COTANGENTS[layout])
-    return dx.astype(x.dtype), dy.astype(y.dtype)
-
-
-_product.defvjp(_product_fwd, _product_bwd)
-
-
 def outer_product(x, g, operands=None):
     """xᵀ g [d, h] for rows x [n, d] and g [n, h] (a chunk-end update), formed as it is stored."""
-    return _product(x, g, "tn", operands)
+    return product(x, g, "tn", operands)
 
 
 def weight_product(x, w, operands=None):
     """x @ w [n, h] for a weight w [d, h], whose cotangent xᵀ g is formed [d, h] as it is stored
-    (`_product`). Both operands 2-D (vmap for leading axes). ``operands``: the dtype the products
+    (`linalg.product`). Both operands 2-D (vmap for leading axes). ``operands``: the dtype the products
     (this one and the backward's two) take their operands in (`operand_dtype`)."""
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"weight_product: arguments `x` [n, d] and `w` [d, h] must be 2-D (vmap over "
                          f"leading axes); got shapes {tuple(x.shape)} and {tuple(w.shape)}.")
-    return _product(x, w, "nn", operands)
+    return product(x, w, "nn", operands)
 
 
 def first_layer_keys(memory, params, width: int) -> frozenset:
