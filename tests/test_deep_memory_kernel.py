@@ -148,16 +148,18 @@ def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, acti
 
 def test_backward_warps_follow_the_grid(monkeypatch):
     """num_warps_bwd None: 8 warps while the backward's programs (tiles × B·H) fit one per
-    multiprocessor, else 4; block_hidden_bwd None: 32 where twice the programs still fit; given
-    values are kept."""
+    multiprocessor, else 4; block_hidden / block_hidden_bwd None: 64 / 64, or 32 / 16 where twice
+    the 64-wide programs fit one per multiprocessor; given values are kept."""
     import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
     monkeypatch.setattr(gpu_kernels, "_multiprocessors", lambda: 132)
     resolved = lambda bh, **kw: MLPGpuBlockSizes(**kw).resolve(512, False, bh)
-    assert (resolved(16).block_hidden_bwd, resolved(16).num_warps_bwd) == (64, 8)   # 8 tiles × 16 = 128 programs
-    assert (resolved(32).block_hidden_bwd, resolved(32).num_warps_bwd) == (64, 4)   # 256 programs
-    assert (resolved(8).block_hidden_bwd, resolved(8).num_warps_bwd) == (32, 8)     # 16 tiles of 32 × 8 = 128
+    tiles = lambda bs: (bs.block_hidden, bs.block_hidden_bwd, bs.num_warps_bwd)
+    assert tiles(resolved(16)) == (64, 64, 8)   # 8 tiles × 16 = 128 programs; 16 × 16 do not fit
+    assert tiles(resolved(32)) == (64, 64, 4)   # 256 programs
+    assert tiles(resolved(8)) == (32, 16, 4)    # 16 tiles of 32 × 8 = 128 fit: 32 forward, 16 backward (256)
     assert resolved(8, num_warps_bwd=2).num_warps_bwd == 2
-    assert resolved(8, block_hidden=64).block_hidden_bwd == 64                     # a given forward tile: the same
+    assert tiles(resolved(8, block_hidden=64)) == (64, 64, 8)                      # a given forward tile: the same
+    assert tiles(resolved(8, block_hidden_bwd=32)) == (32, 32, 8)
     assert MLPGpuBlockSizes().resolve(512, True, 8).block_hidden_bwd == 512        # interpret: one tile
 
 
@@ -320,18 +322,21 @@ def test_kernel_lowers_to_mosaic_for_tpu(dtype, momentum, sizes):
 
 # ---- compiled on a GPU ----------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [None, 64], ids=["auto_tiles", "tiles64"])
 @pytest.mark.parametrize("backward", ["xla", "kernel"])
 @pytest.mark.parametrize("momentum,residual,dtype", [(True, False, jnp.float32), (False, True, jnp.float32),
                                                      (True, False, jnp.bfloat16)])
-def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype, backward):
-    """Several hidden tiles per head (h 512, tiles of 64): the grid barrier's cross-tile sums; the
-    returned source pass (H, D, Y) and its cotangents too."""
+def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype, backward, tiles):
+    """Several hidden tiles per head (h 512; B·H 6, so by default 16 tiles of 32 forward and 32 of
+    16 backward, else 8 of 64): the grid barrier's cross-tile sums; the returned source pass
+    (H, D, Y) and its cotangents too."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     jax.config.update("jax_default_matmul_precision", "highest")   # the XLA reference in float32, not TF32
     args = _operands(8, momentum=momentum, B=2, H=3, N=5, n=64, d=128, h=512, dv=128, dtype=dtype)
     ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
-    run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(dots="exact", backward=backward))
+    sizes = MLPGpuBlockSizes(dots="exact", backward=backward, block_hidden=tiles, block_hidden_bwd=tiles)
+    run = functools.partial(mlp_state_pass, block_sizes=sizes)
     got = _states_and_grads("pallas", args, activation="gelu", residual=residual, run=run, sources=True)
     want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual, sources=True)
     tol = TOL if dtype == jnp.float32 else 2e-2

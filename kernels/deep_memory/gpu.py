@@ -56,7 +56,10 @@ its barrier. At B1 H8 (64 programs, fewer than the GPU's multiprocessors) eight 
 program win (29.5 against 34.8 ms for 256 chunks; XLA's reverse pass 31.3); at B4 (256 programs)
 four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's registers, and then
 256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count; and where even
-twice the programs fit, the backward takes tiles of 32 (B1 H8: 26.2 against 29.7 ms). titans' memory
+twice the programs fit, the forward takes tiles of 32 and the backward of 16 (B1 T16384 H8, titans'
+layer: 29.37 ms with 64 / 32, 27.61 with 32 / 32, 24.56 with 32 / 16, each pair in one command on
+an H200, 2026-11-27; at B4 the backward's narrower tiles lose: 21.05 ms with 64, 22.03 with 32,
+24.81 with 16). titans' memory
 layer (bf16, forward+backward, B4 T4096 H8 D128): 22.3 ms against titans-pytorch's 106.5 in one
 command (2026-11-27; benchmarks/results/deep_memory_dual_h200_2026-11-27.md); the XLA dual form
 33.6–34.0 in earlier commands. float32 sources with TF32 dots: forward level with
@@ -105,8 +108,9 @@ SPIN_CAP = 1 << 16
 @dataclasses.dataclass(frozen=True)
 class MLPGpuBlockSizes:
     """block_hidden / block_hidden_bwd: hidden units per program of the forward / backward kernel
-    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 64) forward, and the
-    backward's 32 where h / 32 · B·H programs fit one per multiprocessor, else the forward's); in interpret mode both must be h (one tile per head, module docstring).
+    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 64) forward and the
+    forward's backward, except where h / 32 · B·H programs fit one per multiprocessor: then 32
+    forward and 16 backward, module docstring); in interpret mode both must be h (one tile per head, module docstring).
     num_warps_fwd / num_warps_bwd: warps per program (num_warps_bwd None: 8 when the backward's
     programs fit one per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
     (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
@@ -120,13 +124,16 @@ class MLPGpuBlockSizes:
     backward: str = "kernel"
 
     def resolve(self, h, interpret, sequences_heads):
-        fwd = (h if interpret else min(h, 64)) if self.block_hidden is None else self.block_hidden
+        # Narrower tiles (fewer values a thread, fewer spills, more programs at once) where the
+        # GPU would otherwise sit mostly idle: twice the 64-wide programs fit one per multiprocessor.
+        narrow = (self.block_hidden is None and not interpret and h >= 64
+                  and (h // 32) * sequences_heads <= _multiprocessors())
+        fwd = self.block_hidden
+        if fwd is None:
+            fwd = h if interpret else 32 if narrow else min(h, 64)
         bwd = self.block_hidden_bwd
         if bwd is None:
-            # narrower backward tiles (fewer values a thread, fewer spills) while twice the programs
-            # still fit one per multiprocessor
-            narrow = self.block_hidden is None and not interpret and fwd == 64
-            bwd = 32 if narrow and (h // 32) * sequences_heads <= _multiprocessors() else fwd
+            bwd = 16 if narrow else fwd
         warps = self.num_warps_bwd
         if warps is None and is_int(bwd) and bwd > 0:
             warps = 8 if (h // bwd) * sequences_heads <= _multiprocessors() else 4
