@@ -146,21 +146,23 @@ def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, acti
         assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
 
 
-def test_backward_warps_follow_the_grid(monkeypatch):
-    """num_warps_bwd None: 8 warps while the backward's programs (tiles × B·H) fit one per
-    multiprocessor, else 4; block_hidden / block_hidden_bwd None: 64 / 64, or 32 / 16 where twice
-    the 64-wide programs fit one per multiprocessor; given values are kept."""
+def test_tiles_and_warps_follow_the_grid(monkeypatch):
+    """block_hidden None: 32; block_hidden_bwd None: 64, or 16 where twice the 64-wide programs
+    (h / 32 · B·H) fit one per multiprocessor; num_warps_fwd / num_warps_bwd None: 8 while that
+    kernel's programs (tiles × B·H) fit one per multiprocessor, else 4; given values are kept."""
     import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
     monkeypatch.setattr(gpu_kernels, "_multiprocessors", lambda: 132)
     resolved = lambda bh, **kw: MLPGpuBlockSizes(**kw).resolve(512, False, bh)
-    tiles = lambda bs: (bs.block_hidden, bs.block_hidden_bwd, bs.num_warps_bwd)
-    assert tiles(resolved(16)) == (64, 64, 8)   # 8 tiles × 16 = 128 programs; 16 × 16 do not fit
-    assert tiles(resolved(32)) == (64, 64, 4)   # 256 programs
-    assert tiles(resolved(8)) == (32, 16, 4)    # 16 tiles of 32 × 8 = 128 fit: 32 forward, 16 backward (256)
-    assert resolved(8, num_warps_bwd=2).num_warps_bwd == 2
-    assert tiles(resolved(8, block_hidden=64)) == (64, 64, 8)                      # a given forward tile: the same
-    assert tiles(resolved(8, block_hidden_bwd=32)) == (32, 32, 8)
-    assert MLPGpuBlockSizes().resolve(512, True, 8).block_hidden_bwd == 512        # interpret: one tile
+    tiles = lambda bs: (bs.block_hidden, bs.num_warps_fwd, bs.block_hidden_bwd, bs.num_warps_bwd)
+    assert tiles(resolved(8)) == (32, 8, 16, 4)     # 16 tiles of 32 × 8 = 128 programs fit; 32 of 16: 256
+    assert tiles(resolved(16)) == (32, 4, 64, 8)    # 256 forward programs; 8 tiles of 64 × 16 = 128
+    assert tiles(resolved(32)) == (32, 4, 64, 4)    # B4 H8: 512 and 256 programs
+    assert resolved(8, num_warps_bwd=2).num_warps_bwd == 2 and resolved(8, num_warps_fwd=2).num_warps_fwd == 2
+    assert tiles(resolved(8, block_hidden=64)) == (64, 8, 16, 4)
+    assert tiles(resolved(8, block_hidden_bwd=32)) == (32, 8, 32, 8)
+    assert tiles(MLPGpuBlockSizes().resolve(16, False, 8)) == (16, 8, 16, 8)        # h below a tile
+    interpret = MLPGpuBlockSizes().resolve(512, True, 8)
+    assert (interpret.block_hidden, interpret.block_hidden_bwd) == (512, 512)        # interpret: one tile
 
 
 def _window_spec():
@@ -321,21 +323,27 @@ def test_kernel_lowers_to_mosaic_for_tpu(dtype, momentum, sizes):
 
 
 # ---- compiled on a GPU ----------------------------------------------------------------------
+# the tiles and warps `MLPGpuBlockSizes` resolves to at B·H 6 (where twice the 64-wide programs fit
+# the GPU), 64-wide tiles, and what it resolves to at B4 H8 (forward 32 wide on 4 warps, backward 64)
+TILES = {"auto_tiles": {}, "tiles64": {"block_hidden": 64, "block_hidden_bwd": 64},
+         "tiles_b4": {"block_hidden": 32, "num_warps_fwd": 4, "block_hidden_bwd": 64, "num_warps_bwd": 4}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [None, 64], ids=["auto_tiles", "tiles64"])
+@pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize("backward", ["xla", "kernel"])
 @pytest.mark.parametrize("momentum,residual,dtype", [(True, False, jnp.float32), (False, True, jnp.float32),
                                                      (True, False, jnp.bfloat16)])
 def test_gpu_compiled_kernel_equals_reference(momentum, residual, dtype, backward, tiles):
-    """Several hidden tiles per head (h 512; B·H 6, so by default 16 tiles of 32 forward and 32 of
-    16 backward, else 8 of 64): the grid barrier's cross-tile sums; the returned source pass
-    (H, D, Y) and its cotangents too."""
+    """Several hidden tiles per head (h 512; B·H 6, by default 16 tiles of 32 forward and 32 of 16
+    backward; `TILES`): the grid barrier's cross-tile sums; the returned source pass (H, D, Y) and
+    its cotangents too."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     jax.config.update("jax_default_matmul_precision", "highest")   # the XLA reference in float32, not TF32
     args = _operands(8, momentum=momentum, B=2, H=3, N=5, n=64, d=128, h=512, dv=128, dtype=dtype)
     ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
-    sizes = MLPGpuBlockSizes(dots="exact", backward=backward, block_hidden=tiles, block_hidden_bwd=tiles)
+    sizes = MLPGpuBlockSizes(dots="exact", backward=backward, **TILES[tiles])
     run = functools.partial(mlp_state_pass, block_sizes=sizes)
     got = _states_and_grads("pallas", args, activation="gelu", residual=residual, run=run, sources=True)
     want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual, sources=True)

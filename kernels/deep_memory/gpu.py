@@ -55,11 +55,12 @@ backward (~225 µs a chunk against the forward's ~58) is bound by its spills, no
 its barrier. At B1 H8 (64 programs, fewer than the GPU's multiprocessors) eight warps a backward
 program win (29.5 against 34.8 ms for 256 chunks; XLA's reverse pass 31.3); at B4 (256 programs)
 four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's registers, and then
-256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count; and where even
-twice the programs fit, the forward takes tiles of 32 and the backward of 16 (B1 T16384 H8, titans'
-layer: 29.37 ms with 64 / 32, 27.61 with 32 / 32, 24.56 with 32 / 16, each pair in one command on
-an H200, 2026-11-27; at B4 the backward's narrower tiles lose: 21.05 ms with 64, 22.03 with 32,
-24.81 with 16). titans' memory
+256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count, and the forward's
+alike. Tiles (2026-11-27, titans' layer fwd+bwd, each pair of trees in one command on an H200): the
+forward takes 32 wide (B1 T16384 H8: 29.37 -> 27.61 ms, forward 7.81 -> 6.11; B4 T4096: 21.07 ->
+20.53 with 4 warps, forward 5.88 -> 5.36; 16 wide loses, 6.10 -> 8.31 forward at B1); the backward
+64, or 16 where even twice the 64-wide programs fit one per multiprocessor (B1: 27.61 -> 24.56 ms
+against 32; at B4 narrower backward tiles lose: 21.05 with 64, 22.03 with 32, 24.81 with 16). titans' memory
 layer (bf16, forward+backward, B4 T4096 H8 D128): 22.3 ms against titans-pytorch's 106.5 in one
 command (2026-11-27; benchmarks/results/deep_memory_dual_h200_2026-11-27.md); the XLA dual form
 33.6–34.0 in earlier commands. float32 sources with TF32 dots: forward level with
@@ -108,36 +109,41 @@ SPIN_CAP = 1 << 16
 @dataclasses.dataclass(frozen=True)
 class MLPGpuBlockSizes:
     """block_hidden / block_hidden_bwd: hidden units per program of the forward / backward kernel
-    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 64) forward and the
-    forward's backward, except where h / 32 · B·H programs fit one per multiprocessor: then 32
-    forward and 16 backward, module docstring); in interpret mode both must be h (one tile per head, module docstring).
-    num_warps_fwd / num_warps_bwd: warps per program (num_warps_bwd None: 8 when the backward's
-    programs fit one per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
+    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 32) forward, and
+    min(h, 64) backward except 16 where h / 32 · B·H programs fit one per multiprocessor, module
+    docstring); in interpret mode both must be h (one tile per head, module docstring).
+    num_warps_fwd / num_warps_bwd: warps per program (None: 8 when that kernel's programs fit one
+    per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
     (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
     backward kernel; the default) or "xla" (the reverse pass in XLA from the kept start states,
     `support.state_pass_vjp`)."""
     block_hidden: int | None = None
     block_hidden_bwd: int | None = None
-    num_warps_fwd: int = 8
+    num_warps_fwd: int | None = None
     num_warps_bwd: int | None = None
     dots: str = "exact"
     backward: str = "kernel"
 
     def resolve(self, h, interpret, sequences_heads):
-        # Narrower tiles (fewer values a thread, fewer spills, more programs at once) where the
-        # GPU would otherwise sit mostly idle: twice the 64-wide programs fit one per multiprocessor.
-        narrow = (self.block_hidden is None and not interpret and h >= 64
+        # Narrower backward tiles (fewer values a thread, fewer spills, more programs at once) where
+        # the GPU would otherwise sit mostly idle: twice the 64-wide programs fit one per multiprocessor.
+        narrow = (self.block_hidden_bwd is None and not interpret and h >= 64
                   and (h // 32) * sequences_heads <= _multiprocessors())
         fwd = self.block_hidden
         if fwd is None:
-            fwd = h if interpret else 32 if narrow else min(h, 64)
+            fwd = h if interpret else min(h, 32)
         bwd = self.block_hidden_bwd
         if bwd is None:
-            bwd = 16 if narrow else fwd
-        warps = self.num_warps_bwd
-        if warps is None and is_int(bwd) and bwd > 0:
-            warps = 8 if (h // bwd) * sequences_heads <= _multiprocessors() else 4
-        return dataclasses.replace(self, block_hidden=fwd, block_hidden_bwd=bwd, num_warps_bwd=warps)
+            bwd = h if interpret else 16 if narrow else min(h, 64)
+
+        def warps(given, tile):   # 8 while the programs fit one per multiprocessor
+            if given is not None or not is_int(tile) or tile <= 0:
+                return given
+            return 8 if (h // tile) * sequences_heads <= _multiprocessors() else 4
+
+        return dataclasses.replace(self, block_hidden=fwd, block_hidden_bwd=bwd,
+                                   num_warps_fwd=warps(self.num_warps_fwd, fwd),
+                                   num_warps_bwd=warps(self.num_warps_bwd, bwd))
 
     def check(self, h, interpret):
         for name in ("block_hidden", "block_hidden_bwd"):
