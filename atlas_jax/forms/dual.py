@@ -47,7 +47,6 @@ channel decay, per-token Newton–Schulz, other optax transforms, least squares,
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
