@@ -61,9 +61,10 @@ forward takes 32 wide (B1 T16384 H8: 29.37 -> 27.61 ms, forward 7.81 -> 6.11; B4
 20.53 with 4 warps, forward 5.88 -> 5.36; 16 wide loses, 6.10 -> 8.31 forward at B1); the backward
 64, or 16 where even twice the 64-wide programs fit one per multiprocessor (B1: 27.61 -> 24.56 ms
 against 32; at B4 narrower backward tiles lose: 21.05 with 64, 22.03 with 32, 24.81 with 16). titans' memory
-layer (bf16, forward+backward, B4 T4096 H8 D128): 22.3 ms against titans-pytorch's 106.5 in one
-command (2026-11-27; benchmarks/results/deep_memory_dual_h200_2026-11-27.md); the XLA dual form
-33.6–34.0 in earlier commands. float32 sources with TF32 dots: forward level with
+layer (bf16, forward+backward, H8 D128) against titans-pytorch's NeuralMemory in one command:
+B4 T4096 20.7 against 104.5 ms, B1 T16384 24.9 against 101.8 (2026-11-27;
+benchmarks/results/deep_memory_h200_2026-11-27f.md); the XLA dual form 33.6–34.0 at B4 in earlier
+commands. float32 sources with TF32 dots: forward level with
 XLA (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
 inputs only.
 
