@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-import functools
 from functools import lru_cache
 
 import jax
@@ -42,11 +41,6 @@ class FeatureMap:
 
     def apply(self, params: dict, x: jax.Array) -> jax.Array:
         raise NotImplementedError
-
-    def apply_padded(self, params: dict, x: jax.Array, pad: int) -> jax.Array:
-        """φ(x) followed by ``pad`` zero features (the dual form aligns φ's width this way)."""
-        y = self.apply(params, x)
-        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, pad)])
 
     def kernel(self, params: dict, s: jax.Array) -> jax.Array:
         """⟨φ(x), φ(y)⟩ as a function of s = x·y (elementwise over s); only where ``has_kernel``."""
@@ -96,80 +90,48 @@ def symmetric_power(x: jax.Array, degree: int) -> jax.Array:
     if degree == 0:
         return jnp.ones(x.shape[:-1] + (1,), x.dtype)
     if degree == 2:
-        _, weights = _symmetric_power_table(x.shape[-1], 2)
-        return _weighted_pairs(x, jnp.asarray(weights, x.dtype), 0)
+        return _symmetric_square(x)
     index, weights = _symmetric_power_table(x.shape[-1], degree)
     monomials = jnp.prod(x[..., index], axis=-1)  # [..., n_monomials]
     return monomials * jnp.asarray(weights, x.dtype)
 
 
 @lru_cache(maxsize=None)
-def _pair_table(width: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The products u_i u_j (i ≤ j, in row-major order: sym_2's monomial order) of u ∈ ℝ^width,
-    then ``pad`` more (u_0 u_0, zeroed by their weights): first and second indices [P + pad], and
-    the position of the ordered pair (k, j) among them [width, width] (the backward's gather)."""
-    first, second = np.triu_indices(width)
-    position = np.empty((width, width), np.int32)
-    position[first, second] = position[second, first] = np.arange(len(first), dtype=np.int32)
-    fill = np.zeros(pad, np.int64)
-    return (np.concatenate([first, fill]).astype(np.int32), np.concatenate([second, fill]).astype(np.int32),
-            position)
+def _pair_table(d: int) -> tuple[np.ndarray, np.ndarray]:
+    """For sym_2 of ℝ^d: the monomial of every ordered pair (k, j) [d, d] and ∂(x_i x_j)/∂x_k's
+    factor (2 on the diagonal, where the monomial is x_k²)."""
+    index, _ = _symmetric_power_table(d, 2)
+    position = np.empty((d, d), np.int32)
+    position[index[:, 0], index[:, 1]] = np.arange(len(index), dtype=np.int32)
+    position[index[:, 1], index[:, 0]] = np.arange(len(index), dtype=np.int32)
+    return position, (1.0 + np.eye(d)).astype(np.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _weighted_pairs(u, weights, pad):
-    """w_p u_{i_p} u_{j_p} over `_pair_table(width, pad)`'s pairs (``weights`` [P + pad], zero on
-    the ``pad`` trailing ones): sym_2 of u, or with u = [1, x] every feature of degree ≤ 2 at once
-    (the degree blocks and the alignment padding as one gather, nothing concatenated)."""
-    first, second, _ = _pair_table(u.shape[-1], pad)
-    return u[..., first] * u[..., second] * weights
+@jax.custom_vjp
+def _symmetric_square(x):
+    index, weights = _symmetric_power_table(x.shape[-1], 2)
+    return x[..., index[:, 0]] * x[..., index[:, 1]] * jnp.asarray(weights, x.dtype)
 
 
-def _weighted_pairs_fwd(u, weights, pad):
-    return _weighted_pairs(u, weights, pad), (u, weights)
+def _symmetric_square_fwd(x):
+    return _symmetric_square(x), x
 
 
-def _weighted_pairs_bwd(pad, residuals, cotangent):
-    # Autodiff's transpose of the pairs' gather is a scatter-add (each u_k collects width + 1
-    # products; on a GPU, atomics: ~110 µs a chunk of atlas' 64 × 8 heads at d 128). Gathered
-    # instead: ∂L/∂u_k = Σ_j S[k, j] u_j with S[k, j] the weighted cotangent of u_min·u_max, doubled
-    # on the diagonal (u_k²). B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command:
-    # omeganet 42.9 -> 42.2 ms, atlas 186.7 -> 182.1 (sym_2 alone, 2026-11-26).
-    u, weights = residuals
-    width = u.shape[-1]
-    first, second, position = _pair_table(width, pad)
-    weighted = cotangent * weights.astype(cotangent.dtype)
-    doubled = jnp.asarray(1.0 + np.eye(width), cotangent.dtype)
-    grid = weighted[..., position] * doubled   # [..., width, width]; the padding's pairs are never read
-    du = jnp.sum(grid * u[..., None, :].astype(grid.dtype), axis=-1)
-    products = (u[..., first] * u[..., second]).astype(cotangent.dtype)
-    dweights = jnp.sum((cotangent * products).reshape(-1, weights.shape[-1]), axis=0)
-    return du.astype(u.dtype), dweights.astype(weights.dtype)
+def _symmetric_square_bwd(x, cotangent):
+    # Autodiff's transpose of the monomials' gather is a scatter-add (each x_k collects d + 1
+    # monomials; on a GPU, atomics: ~110 µs a chunk of atlas' 64 × 8 heads at d 128). Gathered
+    # instead: ∂L/∂x_k = Σ_j S[k, j] x_j with S[k, j] the weighted cotangent of x_min·x_max.
+    # B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: omeganet 42.9 ->
+    # 42.2 ms, atlas 186.7 -> 182.1.
+    d = x.shape[-1]
+    _, weights = _symmetric_power_table(d, 2)
+    position, diagonal = _pair_table(d)
+    weighted = cotangent * jnp.asarray(weights, cotangent.dtype)
+    pairs = weighted[..., position] * jnp.asarray(diagonal, cotangent.dtype)   # [..., d, d]
+    return (jnp.sum(pairs * x[..., None, :].astype(pairs.dtype), axis=-1).astype(x.dtype),)
 
 
-_weighted_pairs.defvjp(_weighted_pairs_fwd, _weighted_pairs_bwd)
-
-
-@lru_cache(maxsize=None)
-def _degree_two_table(d: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """For [c_0, c_1 x, c_2 sym_2(x), 0 × pad] as pairs of [1, x]: each feature's degree [P + pad]
-    (the padding's: 3, a zero coefficient appended) and its √multinomial weight."""
-    first, second, _ = _pair_table(d + 1, 0)
-    degree = (first > 0).astype(np.int32) + (second > 0).astype(np.int32)
-    weight = np.where((degree == 2) & (first != second), math.sqrt(2.0), 1.0)
-    return (np.concatenate([degree, np.full(pad, 3, np.int32)]),
-            np.concatenate([weight, np.zeros(pad)]).astype(np.float32))
-
-
-def degree_two_features(x: jax.Array, coeffs: jax.Array, pad: int = 0) -> jax.Array:
-    """[c_0, c_1 x, c_2 sym_2(x)] followed by ``pad`` zero features: the products of pairs of
-    [1, x] in one gather (the same features in the same order as the blocks concatenated; the
-    backward gathers φ's cotangent once rather than slicing it per block)."""
-    degree, weight = _degree_two_table(x.shape[-1], pad)
-    per_degree = jnp.concatenate([coeffs.astype(x.dtype), jnp.zeros((1,), x.dtype)])
-    weights = per_degree[jnp.asarray(degree)] * jnp.asarray(weight, x.dtype)
-    ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
-    return _weighted_pairs(jnp.concatenate([ones, x], axis=-1), weights, pad)
+_symmetric_square.defvjp(_symmetric_square_fwd, _symmetric_square_bwd)
 
 
 def _power(s: jax.Array, i: int) -> jax.Array:
@@ -214,14 +176,9 @@ class Polynomial(FeatureMap):
     has_kernel = True
 
     def apply(self, params, x):
-        return self.apply_padded(params, x, 0)
-
-    def apply_padded(self, params, x, pad):
         coeffs = params["coeffs"] if params else self.init_params()["coeffs"]
-        if self.degree == 2:
-            return degree_two_features(x, coeffs, pad)
         blocks = [coeffs[i].astype(x.dtype) * symmetric_power(x, i) for i in range(self.degree + 1)]
-        return jnp.concatenate(blocks + [jnp.zeros(x.shape[:-1] + (pad,), x.dtype)], axis=-1)
+        return jnp.concatenate(blocks, axis=-1)
 
     def kernel(self, params, s):
         # Block i contributes c_i² ⟨sym_i(x), sym_i(y)⟩ = c_i² (x·y)^i (the constant block: c_0²).
@@ -252,14 +209,8 @@ class ExpTaylor(FeatureMap):
     has_kernel = True
 
     def apply(self, params, x):
-        return self.apply_padded(params, x, 0)
-
-    def apply_padded(self, params, x, pad):
-        coeffs = [1.0 / math.sqrt(math.factorial(i)) for i in range(self.order + 1)]
-        if self.order == 2:
-            return degree_two_features(x, jnp.asarray(coeffs, jnp.float32), pad)
-        blocks = [c * symmetric_power(x, i) for i, c in enumerate(coeffs)]
-        return jnp.concatenate(blocks + [jnp.zeros(x.shape[:-1] + (pad,), x.dtype)], axis=-1)
+        blocks = [symmetric_power(x, i) / math.sqrt(math.factorial(i)) for i in range(self.order + 1)]
+        return jnp.concatenate(blocks, axis=-1)
 
     def kernel(self, params, s):
         return sum(_power(s, i) / math.factorial(i) for i in range(self.order + 1))

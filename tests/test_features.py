@@ -72,35 +72,3 @@ def test_degree_two_features_gradient_gathers_what_autodiff_scatters():
         low = x.astype(jnp.bfloat16)
         ours_bf16 = pullback(lambda x: symmetric_power(x, 2), low, cotangent.astype(jnp.bfloat16))
         assert ours_bf16.dtype == jnp.bfloat16 and rel(ours_bf16.astype(jnp.float32), ref) < 2e-2
-
-
-def test_degree_two_features_as_one_gather_equal_the_degree_blocks_and_their_gradients():
-    """`degree_two_features` (pairs of [1, x] in one gather, the alignment padding as zero-weight
-    pairs) equals [c_0, c_1 x, c_2 sym_2(x), 0 × pad] built block by block, value and gradients
-    with respect to x and the learnable c, float32 to rounding (≤ 1e-6 relative: the weights
-    multiplied in another order, sums of d + 1 terms in another order); Polynomial(2) and
-    ExpTaylor(2) take it, padded or not."""
-    from atlas_jax.features import _symmetric_power_table, degree_two_features
-
-    def blocks(x, coeffs, pad):   # plain autodiff throughout: sym_2 as the monomials' gather
-        index, weights = _symmetric_power_table(x.shape[-1], 2)
-        square = jnp.prod(x[..., index], axis=-1) * jnp.asarray(weights)
-        parts = [coeffs[0] * jnp.ones(x.shape[:-1] + (1,)), coeffs[1] * x, coeffs[2] * square,
-                 jnp.zeros(x.shape[:-1] + (pad,))]
-        return jnp.concatenate(parts, axis=-1)
-
-    coeffs = jnp.asarray([0.8, -1.3, 0.6])
-    for d, pad in ((1, 0), (2, 3), (5, 0), (16, 7)):
-        x = jax.random.normal(jax.random.PRNGKey(d), (3, 5, d))
-        width = (d + 1) * (d + 2) // 2 + pad
-        probe = jax.random.normal(jax.random.PRNGKey(d + 50), (3, 5, width))
-        ours, want = (f(x, coeffs, pad) for f in (degree_two_features, blocks))
-        assert ours.shape == want.shape == (3, 5, width) and rel(ours, want) < 1e-6
-        assert not bool(jnp.any(ours[..., width - pad:]))
-        grads = [jax.jit(jax.grad(lambda x, c, f=f: jnp.sum(f(x, c, pad) * probe), argnums=(0, 1)))(x, coeffs)
-                 for f in (degree_two_features, blocks)]
-        for a, b in zip(*grads):
-            assert rel(a, b) < 1e-6, (d, pad, rel(a, b))
-        assert rel(Polynomial(2).apply_padded({"coeffs": coeffs}, x, pad), want) < 1e-6
-        taylor = jnp.asarray([1.0, 1.0, 2 ** -0.5])
-        assert rel(ExpTaylor(2).apply_padded({}, x, pad), blocks(x, taylor, pad)) < 1e-6

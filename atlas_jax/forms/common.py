@@ -61,9 +61,8 @@ class Features:
     def __init__(self, feature_map, params):
         self.feature_map, self.params = feature_map, params
 
-    def __call__(self, x: jax.Array, pad: int = 0) -> jax.Array:
-        """φ(x), followed by ``pad`` zero features."""
-        return self.feature_map.apply_padded(self.params, x, pad) if pad else self.feature_map.apply(self.params, x)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.feature_map.apply(self.params, x)
 
     def output_dim(self, d: int) -> int:
         return self.feature_map.output_dim(d)

@@ -703,7 +703,8 @@ class _AlignedFeatures:
         self.features, self.pad = features, pad
 
     def __call__(self, x):
-        return self.features(x, self.pad)
+        y = self.features(x)
+        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
 
     def output_dim(self, d):
         return self.features.output_dim(d) + self.pad
