@@ -236,9 +236,9 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     `benchmarks/results/ns_gram_route_cpu_2026-11-26.md`).
     "auto": "gram" on matrices at least 4× longer than wide with ≥ 2¹⁸ entries, else "direct".
     With bf16 operands too: its difference is the direct route's order (above), it memorises the
-    same (recall within 1e-3, `ns_schedule_memorization_cpu_2026-11-25.md`), and atlas' layer
-    (B1 T1024 H8 D128, NS per chunk on bf16 operands, fwd+bwd, one command on an H200) takes
-    131.2 ms through it against 187.7 direct (166.1 with float32 operands through the Gram matrix).
+    same (recall within 1e-3, `deep_memory_h200_2026-11-27f.md`), and atlas' layer (B1 T1024 H8
+    D128, NS per chunk on bf16 operands, fwd+bwd, one command on an H200) takes 131.2 ms through
+    it against 187.7 direct (166.1 with float32 operands through the Gram matrix).
     """
     if method not in NS_METHODS:
         raise ValueError(f"newton_schulz: argument `method` must be one of {NS_METHODS}; got {method!r}.")
