@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import deep_spec_inputs as _inputs
-from helpers import dot_operand_dtypes as _dot_operand_dtypes
+from helpers import dot_operand_dtypes
 from helpers import rel, tree_rel
 
 from atlas_jax import optimizers as opt
@@ -323,7 +323,7 @@ def test_bf16_operand_products_have_the_matmul_derivatives(product, layout):
                     jax.grad(lambda x, y: jnp.sum(ref(x, y) * probe), (0, 1))(x, y)):
         assert a.dtype == b.dtype == jnp.float32 and rel(a, b) < 2e-2, layout
     assert rel(second(ours, y), second(ref, y)) < 2e-2
-    dots = _dot_operand_dtypes(lambda y: second(ours, y), y)
+    dots = dot_operand_dtypes(lambda y: second(ours, y), y)
     assert len(dots) >= 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
 
 
@@ -351,7 +351,7 @@ def test_bf16_inputs_take_bf16_products_with_theta_within_bf16_rounding(name, mo
         w0 = state.params["W0"].shape[-2:]   # [8 or d_φ, 16]: no other operand is [·, 16] with 8 or d_φ rows
         call = lambda q, k, v: spec(q, k, v, **knobs, initial_state=state, impl="chunk", chunk_size=4,
                                     feature_params=feature_params)[0].astype(jnp.float32).sum()
-        dots = {dtype: _dot_operand_dtypes(jax.grad(call, argnums=(0, 1, 2)), *xs, theta_shape=w0)
+        dots = {dtype: dot_operand_dtypes(jax.grad(call, argnums=(0, 1, 2)), *xs, theta_shape=w0)
                 for dtype, xs in (("float32", (q, k, v)), ("bfloat16", low))}
     assert o16.dtype == jnp.bfloat16 and rel(o16.astype(jnp.float32), o) < 2e-2
     for path, a, b in _paired(s16, s):

@@ -59,13 +59,13 @@ def test_degree_two_features_gradient_gathers_what_autodiff_scatters():
     of the monomials' gather) equals the autodiff of the plain monomials, float32 to rounding
     (≤ 1e-6 relative: sums of d + 1 terms in another order), bf16 inputs to bf16 rounding."""
     from atlas_jax.features import _symmetric_power_table
+    pullback = jax.jit(lambda f, x, g: jax.vjp(f, x)[1](g)[0], static_argnums=0)   # compiled, not op by op
     for d in (1, 2, 5, 16):
         index, weights = _symmetric_power_table(d, 2)
         plain = lambda x: jnp.prod(x[..., index], axis=-1) * jnp.asarray(weights, x.dtype)
         x = jax.random.normal(jax.random.PRNGKey(d), (3, 7, d))
         cotangent = jax.random.normal(jax.random.PRNGKey(d + 100), (3, 7, index.shape[0]))
         assert rel(symmetric_power(x, 2), plain(x)) == 0.0
-        pullback = jax.jit(lambda f, x, g: jax.vjp(f, x)[1](g)[0], static_argnums=0)   # one compile, not op by op
         ours = pullback(lambda x: symmetric_power(x, 2), x, cotangent)
         ref = pullback(plain, x, cotangent)
         assert rel(ours, ref) < 1e-6, (d, rel(ours, ref))
