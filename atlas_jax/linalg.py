@@ -1,4 +1,4 @@
-"""Products whose backward keeps their layout and precision, and unit lower-triangular solves in
+"""Products (and Gram matrices) whose backward keeps their layout and precision, and unit lower-triangular solves in
 plain XLA matmuls (the WY systems of the delta family).
 
 Why not `jax.scipy.linalg.solve_triangular`: on CPU it lowers to LAPACK trsm, which jaxlib
@@ -78,6 +78,38 @@ def _product_bwd(layout, operands, residuals, g):
 
 
 product.defvjp(_product_fwd, _product_bwd)
+
+
+_GRAM_SIDES = {"tn": "xᵀx", "nt": "x xᵀ"}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gram(x, side: str, operands=None):
+    """The Gram matrix of x over its last two axes: xᵀx (``side`` "tn", [n, n] for x [m, n]) or x xᵀ
+    ("nt", [m, m]); leading axes are a batch. ``operands`` as in `product`.
+
+    Why not ``product(x, x, ...)``: its backward forms the two operands' cotangents by two products
+    and adds them; the Gram matrix's is one, x (g + gᵀ) (or (g + gᵀ) x), so a tall momentum's Gram
+    in Newton–Schulz costs one state-sized product and no state-sized sum in the backward."""
+    if side not in _GRAM_SIDES:
+        raise ValueError(f"gram: argument `side` must be one of {tuple(_GRAM_SIDES)}; got {side!r}.")
+    if x.ndim < 2:
+        raise ValueError(f"gram: argument `x` must be a matrix (with optional leading batch axes); got shape "
+                         f"{tuple(x.shape)}.")
+    return product(x, x, side, operands)
+
+
+def _gram_fwd(x, side, operands):
+    return gram(x, side, operands), x
+
+
+def _gram_bwd(side, operands, x, g):
+    both = g + jnp.swapaxes(g, -1, -2)
+    dx = product(x, both, "nn", operands) if side == "tn" else product(both, x, "nn", operands)
+    return (dx.astype(x.dtype),)
+
+
+gram.defvjp(_gram_fwd, _gram_bwd)
 
 
 def unit_lower_inverse(a: jax.Array) -> jax.Array:

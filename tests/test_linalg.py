@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.scipy.linalg import solve_triangular
 
-from atlas_jax.linalg import product, solve_unit_lower, unit_lower_inverse
+from atlas_jax.linalg import gram, product, solve_unit_lower, unit_lower_inverse
 
 
 def wy_system(seed, n, batch=(3, 2), k_dim=8, m=5):
@@ -93,3 +93,32 @@ def test_product_has_the_matmul_value_and_derivatives_in_every_layout(layout):
         product(x, y, "tt")
     with pytest.raises(ValueError, match="same leading"):
         product(x[0], y, layout)
+
+
+@pytest.mark.parametrize("side", ["tn", "nt"])
+def test_gram_has_the_matmul_value_and_derivatives_with_one_product_per_cotangent(side):
+    """`gram` (xᵀx or x xᵀ, backward x (g + gᵀ)): the plain product's value, gradient and second
+    derivative, float32 with a batch axis to rounding (1e-6) and with bf16 operands to bf16 rounding
+    (2e-2), on a non-symmetric cotangent; its gradient is one product (product(x, x)'s takes two),
+    on bf16 operands where asked."""
+    from helpers import dot_operand_dtypes, rel
+    ks = jax.random.split(jax.random.PRNGKey(11 + len(side)), 3)
+    x = jax.random.normal(ks[0], (3, 13, 6))
+    n = 6 if side == "tn" else 13
+    probe, probe2 = jax.random.normal(ks[1], (3, n, n)), jax.random.normal(ks[2], x.shape)
+    plain = PLAIN[side]
+
+    def derivatives(f):
+        first = jax.grad(lambda x: jnp.sum(f(x) * probe))(x)
+        second = jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(f(x) * probe))(x) * probe2))(x)
+        return f(x), first, second
+
+    want = derivatives(lambda x: plain(x, x))
+    for operands, bar in ((None, 1e-6), (jnp.dtype(jnp.bfloat16), 2e-2)):
+        got = derivatives(lambda x: gram(x, side, operands))
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == jnp.float32 and rel(a, b) < bar, (side, operands)
+    grad = lambda x: jax.grad(lambda x: jnp.sum(gram(x, side, jnp.bfloat16) * probe))(x)
+    assert dot_operand_dtypes(grad, x) == [("bfloat16", "bfloat16")] * 2     # the forward's and the backward's
+    with pytest.raises(ValueError, match="side"):
+        gram(x, "nn")
