@@ -362,6 +362,31 @@ def test_bf16_inputs_take_bf16_products_with_theta_within_bf16_rounding(name, mo
     assert dots["float32"] and all("bfloat16" not in d for d in dots["float32"]), dots["float32"]
     assert dots["bfloat16"] and all(d == ("bfloat16", "bfloat16") for d in dots["bfloat16"]), dots["bfloat16"]
     assert bool(calls) == (name == "omeganet")
+    if name == "omeganet":   # φ's rows are joined (sources and queries, a super-chunk's) in bf16
+        d_phi = w0[0]
+        with chunked.dual_form():
+            joined = {dtype: _concatenated_dtypes(jax.make_jaxpr(call)(*xs), d_phi)
+                      for dtype, xs in (("float32", (q, k, v)), ("bfloat16", low))}
+        assert joined["float32"] == {"float32"} and "bfloat16" in joined["bfloat16"], joined
+
+
+def _concatenated_dtypes(closed, width):
+    """The dtypes of every join of rows ``width`` wide (a concatenation of such arrays) in a program,
+    sub-programs included. (The window cache carried as state is float32 in both.)"""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "concatenate" and all(v.aval.shape[-1] == width for v in eqn.invars):
+                found.add(str(eqn.outvars[0].aval.dtype))
+            for p in eqn.params.values():
+                for x in (p if isinstance(p, (tuple, list)) else [p]):
+                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(closed.jaxpr)
+    return found
 
 
 @pytest.mark.parametrize("name", ["omeganet", "dla"])

@@ -36,7 +36,9 @@ first, 0.24 with it here; atlas with per-chunk NS 2.83 → 0.46).
 
 Precision: θ, the momentum, φ, the coefficients and every sum are float32; with bf16 q, k, v
 (``low_precision``) the products with θ take bf16 operands with float32 accumulation, forward and
-backward (`operand_dtype`, `linalg.product`), as the deep-memory kernels' dots do.
+backward (`operand_dtype`, `linalg.product`), as the deep-memory kernels' dots do, and φ's rows
+(which meet only such products and float32-result Gram matrices) are rounded to bf16 once, where
+they are formed (`_OperandFeatures`).
 
 Covered: memories with ``apply_linear`` whose θ is exactly those weights (LinearMemory, MLPMemory,
 GatedMLPMemory); GD, implicit GD, momentum (both conventions) and Muon with ``ns_every="chunk"``;
@@ -207,7 +209,7 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     gates = xc.gates * active
     ext = {"inputs": inputs, "targets": xc.targets, "weights": gates, "delta": xc.delta}
     if win is not None:
-        ext = {"inputs": jnp.concatenate([win.inputs, inputs]),
+        ext = {"inputs": jnp.concatenate([win.inputs.astype(inputs.dtype), inputs]),
                "targets": jnp.concatenate([win.targets, xc.targets]),
                "weights": jnp.concatenate([win.weights, gates]),
                "delta": None if xc.delta is None else jnp.concatenate([win.delta, xc.delta])}
@@ -240,7 +242,7 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     if features is not None and features.has_kernel:
         first_gram = features.gram(xc.queries, xc.inputs)                         # [b, b]
         if win is not None:   # [b, b + c − 1]
-            cached = queries @ win.inputs.T if raw_window is None else features.gram(xc.queries, raw_window)
+            cached = rows_gram(queries, win.inputs) if raw_window is None else features.gram(xc.queries, raw_window)
             first_gram = jnp.concatenate([cached, first_gram], axis=1)
         if decayed_point:
             first_gram = first_gram[:, window_index.reshape(-1)]                  # [b, b·c]
@@ -252,7 +254,8 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     if opt_info.kind == "gd":
         update_rows = -beta[:, None] * gradient_weights
     elif opt_info.kind == "implicit_gd":
-        sq_norm = jnp.sum(weights * jnp.sum(jnp.square(ext["inputs"][window_index]), axis=-1), axis=-1)
+        sq_norm = jnp.sum(weights * jnp.sum(jnp.square(ext["inputs"][window_index].astype(jnp.float32)), axis=-1),
+                         axis=-1)
         effective = beta / (1.0 + beta * sq_norm)
         update_rows = -effective[:, None] * gradient_weights
     else:
@@ -270,7 +273,7 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     next_window = None
     if win is not None:
         keep = lambda x: x[-(c - 1):]
-        next_window = WindowCache(keep(ext["inputs"]), keep(ext["targets"]), keep(ext["weights"]),
+        next_window = WindowCache(keep(ext["inputs"]).astype(win.inputs.dtype), keep(ext["targets"]), keep(ext["weights"]),
                                   win.delta if ext["delta"] is None else keep(ext["delta"]))
     last = b - 1
     reads_end = jnp.zeros((b,), jnp.float32)
@@ -291,10 +294,18 @@ def operand_dtype(low_precision: bool):
     """The dtype θ's products take their operands in: bf16 for bf16 q, k, v (``low_precision``, as
     `MemorySpec` decides it: bf16 tensor-core products with float32 accumulation and results, as the
     deep-memory kernels take them), else None (float32 operands at JAX's default precision). θ, the
-    momentum, φ, the Gram matrices and every sum stay float32. bf16 q/k/v, B1 T1024 H8 D128 fwd+bwd
+    momentum, the Gram matrices and every sum stay float32 (φ's rows: `_OperandFeatures`). bf16 q/k/v, B1 T1024 H8 D128 fwd+bwd
     on an H200, interleaved in one command: omeganet 27.82 -> 24.32 ms, atlas 177.5 -> 168.6; titans
     (B4 T4096, its reads) 21.23 -> 21.08 (benchmarks/results/deep_memory_h200_2026-11-27e.md)."""
     return jnp.dtype(jnp.bfloat16) if low_precision else None
+
+
+def rows_gram(x, y):
+    """x yᵀ [n, m] of rows x [n, d], y [m, d] with a float32 result (φ's rows are bf16 with
+    `operand_dtype` bf16: `_OperandFeatures`)."""
+    dtype = jnp.promote_types(x.dtype, y.dtype)
+    return jax.lax.dot_general(x.astype(dtype), y.astype(dtype), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def outer_product(x, g, operands=None):
@@ -425,7 +436,7 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
         if terms.state_carry is not None:
             y = y + terms.state_carry[:, None] * weight_product(h, momentum0[key], operands)
         # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
-        gram = terms.first_gram if (terms.first_gram is not None and h is queries) else h @ layer_inputs[key].T
+        gram = terms.first_gram if (terms.first_gram is not None and h is queries) else rows_gram(h, layer_inputs[key])
         return y + (terms.state_rows * gram) @ cotangents[key]
 
     outputs = spec.memory.apply_linear(queries, read)
@@ -505,7 +516,7 @@ class _LowRankStart:
 
     def product(self, key, h):
         out = self.decay * weight_product(h, self.base[key], self.operands)
-        return out + self.correction(key, h @ self._cat(self.inputs, key).T) if self.inputs else out
+        return out + self.correction(key, rows_gram(h, self._cat(self.inputs, key))) if self.inputs else out
 
     def correction(self, key, gram):
         """((x Aᵀ) ⊙ w) D for the Gram matrix ``gram`` = x Aᵀ [rows, Σ n_s]."""
@@ -519,15 +530,15 @@ class _LowRankStart:
         for index, (inputs, raw_s) in enumerate(zip(self.inputs, self.raw)):
             a = inputs[key]
             if self.kernel is None or raw is None or raw_s is None:
-                blocks.append(phi @ a.T)
+                blocks.append(rows_gram(phi, a))
                 continue
             cached_s = a.shape[0] - raw_s.shape[0]
             block = self.kernel.gram(raw, raw_s)
             if cached_s:
                 use = cached_gram is not None and index == 0 and n_cached == 0
-                block = jnp.concatenate([cached_gram if use else phi[n_cached:] @ a[:cached_s].T, block], axis=1)
+                block = jnp.concatenate([cached_gram if use else rows_gram(phi[n_cached:], a[:cached_s]), block], axis=1)
             if n_cached:
-                block = jnp.concatenate([phi[:n_cached] @ a.T, block], axis=0)
+                block = jnp.concatenate([rows_gram(phi[:n_cached], a), block], axis=0)
             blocks.append(block)
         return jnp.concatenate(blocks, axis=1)
 
@@ -644,6 +655,8 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         final, outputs = dual_sequence(spec, pad_state(state), steps, chunk_size=chunk_size, features=features,
                                        boundary_bytes_per_token=boundary_bytes_per_token, low_precision=low_precision)
         return unpad_state(final), outputs
+    if features is not None and operands is not None:
+        features = _OperandFeatures(features, operands)
     b = chunk_size
     total = steps.active.shape[0]
     n_chunks = total // b
@@ -708,6 +721,31 @@ class _AlignedFeatures:
 
     def output_dim(self, d):
         return self.features.output_dim(d) + self.pad
+
+    @property
+    def has_kernel(self):
+        return self.features.has_kernel
+
+    def gram(self, x, y):
+        return self.features.gram(x, y)
+
+
+class _OperandFeatures:
+    """φ rounded to the dtype θ's products take their operands in (`operand_dtype`; computed in
+    float32 first). Every use of φ is such a product or a float32-result Gram matrix of its rows
+    (`rows_gram`), so the products' values are unchanged, while φ's rows (the widest arrays of the
+    chunk: [n, d_φ], 8448 wide at degree 2, d = 128; formed once in the forward and twice more in
+    the rematerialisations) and their cotangents take half the memory traffic. The window cache
+    carried between chunks stays float32 (bf16 values, exactly)."""
+
+    def __init__(self, features, dtype):
+        self.features, self.dtype = features, dtype
+
+    def __call__(self, x):
+        return self.features(x).astype(self.dtype)
+
+    def output_dim(self, d):
+        return self.features.output_dim(d)
 
     @property
     def has_kernel(self):
