@@ -1,5 +1,5 @@
-"""Products (and Gram matrices) whose backward keeps their layout and precision, and unit lower-triangular solves in
-plain XLA matmuls (the WY systems of the delta family).
+"""Products and Gram matrices whose backward keeps their layout and precision, and unit
+lower-triangular solves in plain XLA matmuls (the WY systems of the delta family).
 
 Why not `jax.scipy.linalg.solve_triangular`: on CPU it lowers to LAPACK trsm, which jaxlib
 (0.10) parallelises over the batch on XLA's intra-op thread pool and then blocks the calling
@@ -80,7 +80,7 @@ def _product_bwd(layout, operands, residuals, g):
 product.defvjp(_product_fwd, _product_bwd)
 
 
-_GRAM_SIDES = {"tn": "xᵀx", "nt": "x xᵀ"}
+_GRAM_SIDES = ("tn", "nt")     # xᵀx, x xᵀ
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -92,7 +92,7 @@ def gram(x, side: str, operands=None):
     and adds them; the Gram matrix's is one, x (g + gᵀ) (or (g + gᵀ) x), so a tall momentum's Gram
     in Newton–Schulz costs one state-sized product and no state-sized sum in the backward."""
     if side not in _GRAM_SIDES:
-        raise ValueError(f"gram: argument `side` must be one of {tuple(_GRAM_SIDES)}; got {side!r}.")
+        raise ValueError(f"gram: argument `side` must be one of {_GRAM_SIDES}; got {side!r}.")
     if x.ndim < 2:
         raise ValueError(f"gram: argument `x` must be a matrix (with optional leading batch axes); got shape "
                          f"{tuple(x.shape)}.")

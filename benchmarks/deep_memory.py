@@ -21,6 +21,9 @@ form (the form before the dual form) for the same calls. Every entry runs in its
 that the device's peak memory (peak_bytes_in_use, GPU) is that entry's own and an out-of-memory
 failure ("OOM") or a time-out leaves the others alone; XLA's compiled temp + argument + output bytes
 are reported as well. A call slower than 2 s is timed over 2 calls only.
+TFLOP/s: the matmul FLOPs of the forward+backward program as traced, rematerialisation included
+(`flops.dot_flops`), over its time, and the share of the device's dense peak for that mix of bf16
+and TF32 products; not given where a Pallas kernel or a while loop hides some of the products.
 
 Writes deep_memory.json and deep_memory.md (a markdown table) to --out or $OUT.
 """
@@ -35,6 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import import_tree, log, save_json, shape_arg, time_jax, trace_kernels  # noqa: E402
+import flops  # noqa: E402
 
 ENTRIES = {   # entry name -> (preset, preset options, what the table says)
     "titans": ("titans", {}, "titans"),
@@ -122,6 +126,11 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
     t = time.perf_counter()
     compiled = f.lower(*args).compile()
     row["compile_s"] = time.perf_counter() - t
+    count = flops.dot_flops(f, *args)   # matmul FLOPs as executed, rematerialisation included
+    row["dot_tflop"] = count.flops / 1e12
+    row["dot_bf16_share"] = count.bf16_flops / count.flops if count.flops else None
+    if not count.complete:
+        row["flops_left_out"] = list(count.left_out)
     analysis = compiled.memory_analysis()
     if analysis is not None:
         row["compiled_temp_GiB"] = analysis.temp_size_in_bytes / 2 ** 30
@@ -140,6 +149,11 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
         else:
             ms = time_jax(compiled, *args, reps=reps)
         row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
+        if count.complete:
+            row["tflops"] = count.flops / (ms / 1e3) / 1e12
+            peak = flops.peak_tflops(jax.devices()[0].device_kind, count)
+            if peak:
+                row["peak_tflops"], row["of_peak"] = peak, row["tflops"] / peak
         if trace_dir:   # where the time goes: device kernels summed by name and by the dual form's part
             from atlas_jax.forms.dual import SCOPES
             os.makedirs(trace_dir, exist_ok=True)   # the optimized HLO: what the trace's fusion names are
@@ -264,11 +278,20 @@ def _fmt(value, spec):
     return "—" if value is None else format(value, spec)
 
 
+def _tflops(row) -> str:
+    """Matmul TFLOP/s as executed (`flops.dot_flops`) and its share of the device's peak for that
+    mix of bf16 and TF32 products; "—" where a kernel or a while loop hides some."""
+    if row.get("tflops") is None:
+        return "—"
+    share = row.get("of_peak")
+    return f"{row['tflops']:.1f}" + ("" if share is None else f" ({share:.0%})")
+
+
 def markdown(rows, header) -> str:
     lines = [f"# Deep memories, forward+backward ({header})", "",
-             "| entry | form | impl | dtype | B, T, H, D | chunk | fwd ms | fwd+bwd ms | tokens/s | peak GiB | "
-             "compiled total GiB | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| entry | form | impl | dtype | B, T, H, D | chunk | fwd ms | fwd+bwd ms | tokens/s | TFLOP/s (of peak) | "
+             "peak GiB | compiled total GiB | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         label = ENTRIES[r["entry"]][2] if r["entry"] in ENTRIES else r["entry"]
         form = r["form"]
@@ -281,7 +304,7 @@ def markdown(rows, header) -> str:
                                                                                  r.get("dtype", "float32"))
         lines.append(f"| {label} | {form} | {impl} | {dtype} | {r['B']}, {r['T']}, {r['H']}, {r['D']} | {r['chunk']} | "
                      f"{_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
-                     f"{_fmt(r.get('peak_GiB'), '.3g')} | {_fmt(r.get('compiled_total_GiB'), '.3g')} | {note} |")
+                     f"{_tflops(r)} | {_fmt(r.get('peak_GiB'), '.3g')} | {_fmt(r.get('compiled_total_GiB'), '.3g')} | {note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -242,7 +242,8 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     if features is not None and features.has_kernel:
         first_gram = features.gram(xc.queries, xc.inputs)                         # [b, b]
         if win is not None:   # [b, b + c − 1]
-            cached = rows_gram(queries, win.inputs) if raw_window is None else features.gram(xc.queries, raw_window)
+            cached = (rows_gram(queries, win.inputs) if raw_window is None
+                      else features.gram(xc.queries, raw_window))
             first_gram = jnp.concatenate([cached, first_gram], axis=1)
         if decayed_point:
             first_gram = first_gram[:, window_index.reshape(-1)]                  # [b, b·c]
@@ -254,8 +255,8 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     if opt_info.kind == "gd":
         update_rows = -beta[:, None] * gradient_weights
     elif opt_info.kind == "implicit_gd":
-        sq_norm = jnp.sum(weights * jnp.sum(jnp.square(ext["inputs"][window_index].astype(jnp.float32)), axis=-1),
-                         axis=-1)
+        window_inputs = ext["inputs"][window_index].astype(jnp.float32)
+        sq_norm = jnp.sum(weights * jnp.sum(jnp.square(window_inputs), axis=-1), axis=-1)
         effective = beta / (1.0 + beta * sq_norm)
         update_rows = -effective[:, None] * gradient_weights
     else:
@@ -273,8 +274,8 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     next_window = None
     if win is not None:
         keep = lambda x: x[-(c - 1):]
-        next_window = WindowCache(keep(ext["inputs"]).astype(win.inputs.dtype), keep(ext["targets"]), keep(ext["weights"]),
-                                  win.delta if ext["delta"] is None else keep(ext["delta"]))
+        next_window = WindowCache(keep(ext["inputs"]).astype(win.inputs.dtype), keep(ext["targets"]),
+                                  keep(ext["weights"]), win.delta if ext["delta"] is None else keep(ext["delta"]))
     last = b - 1
     reads_end = jnp.zeros((b,), jnp.float32)
     if retention.has_map or opt_info.kind == "muon":
@@ -294,9 +295,10 @@ def operand_dtype(low_precision: bool):
     """The dtype θ's products take their operands in: bf16 for bf16 q, k, v (``low_precision``, as
     `MemorySpec` decides it: bf16 tensor-core products with float32 accumulation and results, as the
     deep-memory kernels take them), else None (float32 operands at JAX's default precision). θ, the
-    momentum, the Gram matrices and every sum stay float32 (φ's rows: `_OperandFeatures`). bf16 q/k/v, B1 T1024 H8 D128 fwd+bwd
-    on an H200, interleaved in one command: omeganet 27.82 -> 24.32 ms, atlas 177.5 -> 168.6; titans
-    (B4 T4096, its reads) 21.23 -> 21.08 (benchmarks/results/deep_memory_h200_2026-11-27e.md)."""
+    momentum, the Gram matrices and every sum stay float32 (φ's rows: `_OperandFeatures`). bf16
+    q/k/v, B1 T1024 H8 D128 fwd+bwd on an H200, interleaved in one command: omeganet 27.82 -> 24.32
+    ms, atlas 177.5 -> 168.6; titans (B4 T4096, its reads) 21.23 -> 21.08
+    (benchmarks/results/deep_memory_h200_2026-11-27e.md)."""
     return jnp.dtype(jnp.bfloat16) if low_precision else None
 
 
@@ -436,7 +438,8 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
         if terms.state_carry is not None:
             y = y + terms.state_carry[:, None] * weight_product(h, momentum0[key], operands)
         # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
-        gram = terms.first_gram if (terms.first_gram is not None and h is queries) else rows_gram(h, layer_inputs[key])
+        first = terms.first_gram is not None and h is queries
+        gram = terms.first_gram if first else rows_gram(h, layer_inputs[key])
         return y + (terms.state_rows * gram) @ cotangents[key]
 
     outputs = spec.memory.apply_linear(queries, read)
@@ -536,7 +539,8 @@ class _LowRankStart:
             block = self.kernel.gram(raw, raw_s)
             if cached_s:
                 use = cached_gram is not None and index == 0 and n_cached == 0
-                block = jnp.concatenate([cached_gram if use else rows_gram(phi[n_cached:], a[:cached_s]), block], axis=1)
+                cached = cached_gram if use else rows_gram(phi[n_cached:], a[:cached_s])
+                block = jnp.concatenate([cached, block], axis=1)
             if n_cached:
                 block = jnp.concatenate([rows_gram(phi[:n_cached], a), block], axis=0)
             blocks.append(block)
