@@ -143,23 +143,25 @@ def deep_spec_inputs(spec, seed, B, T, H, K, V, *, per_position_gates=False):
     return q, k, v, knobs, state, feature_params
 
 
+def equations(jaxpr):
+    """Every equation of a jaxpr, its sub-programs' (scan, jit, checkpoint, custom rules…) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for x in (p if isinstance(p, (tuple, list)) else [p]):
+                sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
+                if hasattr(sub, "eqns"):
+                    yield from equations(sub)
+
+
 def dot_operand_dtypes(fn, *args, theta_shape=None):
     """The operand dtypes of every dot_general in ``fn``'s program (sub-programs included), or of
     those that take an operand shaped like θ's weight ``theta_shape`` ([d_in, d_out], or transposed)."""
     shapes = None if theta_shape is None else (tuple(theta_shape), tuple(theta_shape)[::-1])
     found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                avals = [v.aval for v in eqn.invars]
-                if shapes is None or any(tuple(a.shape[-2:]) in shapes for a in avals):
-                    found.append(tuple(str(a.dtype) for a in avals))
-            for p in eqn.params.values():
-                for x in (p if isinstance(p, (tuple, list)) else [p]):
-                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "dot_general":
+            avals = [v.aval for v in eqn.invars]
+            if shapes is None or any(tuple(a.shape[-2:]) in shapes for a in avals):
+                found.append(tuple(str(a.dtype) for a in avals))
     return found

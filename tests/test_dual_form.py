@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import deep_spec_inputs as _inputs
-from helpers import dot_operand_dtypes
+from helpers import dot_operand_dtypes, equations
 from helpers import rel, tree_rel
 
 from atlas_jax import optimizers as opt
@@ -373,20 +373,8 @@ def test_bf16_inputs_take_bf16_products_with_theta_within_bf16_rounding(name, mo
 def _concatenated_dtypes(closed, width):
     """The dtypes of every join of rows ``width`` wide (a concatenation of such arrays) in a program,
     sub-programs included. (The window cache carried as state is float32 in both.)"""
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "concatenate" and all(v.aval.shape[-1] == width for v in eqn.invars):
-                found.add(str(eqn.outvars[0].aval.dtype))
-            for p in eqn.params.values():
-                for x in (p if isinstance(p, (tuple, list)) else [p]):
-                    sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(closed.jaxpr)
-    return found
+    return {str(eqn.outvars[0].aval.dtype) for eqn in equations(closed.jaxpr)
+            if eqn.primitive.name == "concatenate" and all(v.aval.shape[-1] == width for v in eqn.invars)}
 
 
 @pytest.mark.parametrize("name", ["omeganet", "dla"])
