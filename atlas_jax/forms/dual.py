@@ -303,11 +303,9 @@ def operand_dtype(low_precision: bool):
 
 
 def rows_gram(x, y):
-    """x yᵀ [n, m] of rows x [n, d], y [m, d] with a float32 result (φ's rows are bf16 with
-    `operand_dtype` bf16: `_OperandFeatures`)."""
-    dtype = jnp.promote_types(x.dtype, y.dtype)
-    return jax.lax.dot_general(x.astype(dtype), y.astype(dtype), (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+    """x yᵀ [n, m] of rows x [n, d], y [m, d] with a float32 result, on operands of their promoted
+    dtype (φ's rows are bf16 with `operand_dtype` bf16: `_OperandFeatures`)."""
+    return product(x, y, "nt", jnp.promote_types(x.dtype, y.dtype))
 
 
 def outer_product(x, g, operands=None):
@@ -713,18 +711,15 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
     return final, outputs if pad == 0 else outputs[:total]
 
 
-class _AlignedFeatures:
-    """φ followed by ``pad`` zero features (FEATURE_ALIGN); its kernel is φ's."""
+class _WrappedFeatures:
+    """φ as the form uses it, built on ``features``: the same width, kernel and Gram matrix unless
+    a subclass says otherwise."""
 
-    def __init__(self, features, pad):
-        self.features, self.pad = features, pad
-
-    def __call__(self, x):
-        y = self.features(x)
-        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
+    def __init__(self, features):
+        self.features = features
 
     def output_dim(self, d):
-        return self.features.output_dim(d) + self.pad
+        return self.features.output_dim(d)
 
     @property
     def has_kernel(self):
@@ -734,7 +729,22 @@ class _AlignedFeatures:
         return self.features.gram(x, y)
 
 
-class _OperandFeatures:
+class _AlignedFeatures(_WrappedFeatures):
+    """φ followed by ``pad`` zero features (FEATURE_ALIGN); its kernel is φ's."""
+
+    def __init__(self, features, pad):
+        super().__init__(features)
+        self.pad = pad
+
+    def __call__(self, x):
+        y = self.features(x)
+        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
+
+    def output_dim(self, d):
+        return self.features.output_dim(d) + self.pad
+
+
+class _OperandFeatures(_WrappedFeatures):
     """φ rounded to the dtype θ's products take their operands in (`operand_dtype`; computed in
     float32 first). Every use of φ is such a product or a float32-result Gram matrix of its rows
     (`rows_gram`), so the products' values are unchanged, while φ's rows (the widest arrays of the
@@ -750,20 +760,11 @@ class _OperandFeatures:
     alone), three times per super-chunk. omeganet, same shape and command: 226.0 -> 215.5 ms."""
 
     def __init__(self, features, dtype):
-        self.features, self.dtype = features, dtype
+        super().__init__(features)
+        self.dtype = dtype
 
     def __call__(self, x):
         return jax.lax.optimization_barrier(self.features(x).astype(self.dtype))
-
-    def output_dim(self, d):
-        return self.features.output_dim(d)
-
-    @property
-    def has_kernel(self):
-        return self.features.has_kernel
-
-    def gram(self, x, y):
-        return self.features.gram(x, y)
 
 
 def _aligned_features(spec, state: MemoryState, steps: Steps, features):
