@@ -300,6 +300,19 @@ def test_weight_product_has_the_matmul_gradients_unbatched_and_vmapped():
     assert rel(dx.astype(jnp.float32), ref_dx) < 2e-2 and rel(dw, ref_dw) < 2e-2
 
 
+def test_rows_joined_in_place_equal_their_concatenation_with_its_gradient():
+    """`dual._join_rows` (a super-chunk's φ rows written into one buffer) is jnp.concatenate,
+    value and cotangents, for pieces of uneven rows under vmap (as the dual form runs it)."""
+    pieces = [jax.random.normal(jax.random.PRNGKey(i), (2, n, 6)) for i, n in enumerate((3, 5, 1, 4))]
+    g = jax.random.normal(jax.random.PRNGKey(9), (2, 13, 6))
+    join = jax.vmap(lambda *p: dual._join_rows(list(p)))
+    ours, pull = jax.vjp(join, *pieces)
+    ref, ref_pull = jax.vjp(lambda *p: jnp.concatenate(p, axis=1), *pieces)
+    assert ours.shape == ref.shape and float(jnp.max(jnp.abs(ours - ref))) == 0.0
+    for a, b in zip(pull(g), ref_pull(g)):
+        assert float(jnp.max(jnp.abs(a - b))) == 0.0
+
+
 @pytest.mark.parametrize("product,layout", [("weight", "x w"), ("outer", "xᵀ g")])
 def test_bf16_operand_products_have_the_matmul_derivatives(product, layout):
     """`weight_product` / `outer_product` with bf16 operands (`dual.operand_dtype(True)`): the
