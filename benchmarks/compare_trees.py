@@ -12,7 +12,7 @@ load hit both alike. Reports each tree's median over rounds and the ratio to the
         --shape 4,4096,16,128 --ops gdn deltanet kda --rounds 5 2>&1 | tee $OUT/compare.log
     # a deep-memory layer (deep_memory.py's entries, bf16 q/k/v, impl auto: the kernel route on a GPU)
     python3 benchmarks/compare_trees.py --tree before=build/before --tree after=build/after \\
-        --shape 4,4096,8,128 --ops --presets titans --impl auto --rounds 3
+        --shape 4,4096,8,128 --presets titans --impl auto --rounds 3
 
 JSON of every round goes to --out (default $OUT) as compare_trees.json.
 """
@@ -43,8 +43,8 @@ def main():
                     help="a source tree (holding atlas_jax/ and kernels/); the first is the "
                          "baseline; give two or more")
     ap.add_argument("--shape", type=timing.shape_arg, default=(4, 4096, 16, 128), help="B,T,H,D")
-    ap.add_argument("--ops", nargs="*", default=["gdn", "deltanet", "kda"],
-                    choices=sorted(timing.GATE_OF))
+    ap.add_argument("--ops", nargs="*", default=None, choices=sorted(timing.GATE_OF),
+                    help="delta-family ops (default: gdn deltanet kda, or none when --presets is given)")
     ap.add_argument("--presets", nargs="*", default=[], choices=sorted(deep_memory.ENTRIES),
                     help="deep-memory layers as deep_memory.py times them (bf16 q, k, v; chunk 64)")
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per round")
     ap.add_argument("--out", default=None, help="folder for compare_trees.json (default $OUT)")
     args = ap.parse_args()
+    if args.ops is None:   # a deep-memory comparison does not also spend device time on the ops
+        args.ops = [] if args.presets else ["gdn", "deltanet", "kda"]
 
     import jax
     import jax.numpy as jnp
