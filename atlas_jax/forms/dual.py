@@ -335,8 +335,6 @@ def _join_rows(pieces):
     T4096: twelve pieces into [32, 524, 8448] bf16), where XLA's concatenate fusion took 0.67 ms a
     join; the layer's fwd+bwd 216.6 -> 200.3 and 216.0 -> 199.7 ms (H200, two commands). Where
     `_LowRankStart` joins its sources' inputs it lost (216.0 -> 219.4): not used there."""
-    if len(pieces) == 1:
-        return pieces[0]
     out = jnp.zeros((sum(p.shape[0] for p in pieces),) + pieces[0].shape[1:], jnp.result_type(*pieces))
     lo = 0
     for piece in pieces:
