@@ -893,6 +893,29 @@ def _split_reads(spec, starts: MemoryState, final: MemoryState, terms: ChunkTerm
     return jax.vmap(read)(starts, ends, terms, sources)
 
 
+def _reads_on_kernel(low_precision: bool, terms: ChunkTerms) -> bool:
+    """Whether `dual_batched_kernel` reads on the reads kernel: bf16 inputs on a GPU (float32
+    ones keep XLA's reads, as they keep XLA's state pass under impl="auto"; on a TPU the reads
+    have no kernel), gradients at θ₀."""
+    return low_precision and jax.default_backend() != "tpu" and terms.src_scale is None
+
+
+def _kernel_reads(spec, starts, terms: ChunkTerms, a, sources):
+    """`_split_reads` on the reads kernel (``ops.deep_memory.mlp_reads``, impl "pallas": its
+    forward a kernel, its backward XLA's batched products) from the state pass's starts and
+    sources [B, H, N, ...]. Where `kernel_gap` lets the state-pass kernel run, `chunk_read` needs
+    no more than that op covers (a depth-2 MLP, gradients at θ₀, no chunk-end map); the op forms
+    φ(q)·φ(k_s) as the product of the φ rows, where the form may take it through φ's kernel.
+    titans' layer, bf16 fwd+bwd on an H200, one command each: B4 T4096 H8 D128 20.55 -> 19.87 ms,
+    B1 T16384 24.63 -> 24.28 (`kernels.deep_memory.gpu_reads`)."""
+    from atlas_jax.ops.deep_memory.reads import mlp_reads
+
+    errors = spec.objective.output_grad(sources.y, terms.src_targets, terms.src_delta)
+    return mlp_reads(starts, terms.queries.astype(a.dtype), a, sources, errors, terms.from_start, terms.state_carry,
+                     terms.state_rows, activation=spec.memory.activation, residual=spec.memory.residual,
+                     impl="pallas")
+
+
 def keeps_every_chunk_state(state: MemoryState, chunk_size: int, boundary_bytes_per_token=None) -> bool:
     """Whether the dual form keeps every chunk's state (one sequence and head's ``state``): the
     split form, whose sequential pass a kernel can run; else chunks are grouped (fused form)."""
@@ -955,8 +978,11 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
                              state.opt_state)
     starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
     with jax.named_scope(SCOPES["reads"]):
-        outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src, operand_dtype(low_precision)))(
-            starts, final, terms, sources)
+        if _reads_on_kernel(low_precision, terms):
+            outputs = _kernel_reads(spec, starts_k, terms, a, sources)
+        else:
+            outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src, operand_dtype(low_precision)))(
+                starts, final, terms, sources)
     window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
     outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])
     return final._replace(window=window), outputs

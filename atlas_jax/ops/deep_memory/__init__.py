@@ -5,7 +5,8 @@ chunk-start-gradient form: per chunk a forward pass of the chunk's gradient sour
 start θ, the output residual's cotangents, and the chunk-end update, one outer-product sum per
 weight. impl="chunk" is a lax.scan in XLA (the reference); impl="pallas" the Pallas kernel
 (`atlas_jax.kernels.deep_memory`, interpret mode on CPU). `atlas_jax.forms.dual` builds its
-operands (the chunk-parallel coefficients) and reads every chunk from the states it returns.
+operands (the chunk-parallel coefficients) and reads every chunk from the states it returns;
+`mlp_reads` is those reads for this memory (reference and GPU kernel).
 """
 
 from atlas_jax.ops.deep_memory.state_pass import (
@@ -19,6 +20,8 @@ from atlas_jax.ops.deep_memory.state_pass import (
     mlp_state_pass,
     mlp_state_pass_reference,
 )
+from atlas_jax.ops.deep_memory.reads import mlp_chunk_read, mlp_reads, mlp_reads_reference
 
-__all__ = ["IMPLS", "MLPSources", "MLPStates", "kernel_covers", "mlp_chunk_sources", "mlp_chunk_step",
-           "mlp_sources_from_starts", "mlp_state_pass", "mlp_state_pass_reference"]
+__all__ = ["IMPLS", "MLPSources", "MLPStates", "kernel_covers", "mlp_chunk_read", "mlp_chunk_sources",
+           "mlp_chunk_step", "mlp_reads", "mlp_reads_reference", "mlp_sources_from_starts", "mlp_state_pass",
+           "mlp_state_pass_reference"]

@@ -1,0 +1,275 @@
+"""The dual form's reads of a depth-2 MLP memory (`atlas_jax.ops.deep_memory.reads`, its module
+docstring): the forward as a Pallas GPU kernel (Triton lowering), the backward in XLA from the
+values the kernel keeps.
+
+Every chunk reads independently of the others (its start state is an input), so a program owns
+one hidden tile j (``block_hidden`` units) of one chunk of one sequence·head, and the tiles'
+shares of the output are summed in XLA ([P, tiles, b, dv]):
+
+    Z_j = P ⊙ (q W0_j) + c ⊙ (q m0_j) + G0 D_j,   G0 = M ⊙ (q aᵀ),   Ĥ_j = σ(Z_j)
+    O_j = P ⊙ (Ĥ_j W1_j) + c ⊙ (Ĥ_j m1_j) + (M ⊙ Ĥ_j H_jᵀ) E   (+ q, tile 0, with the residual)
+
+The kernel rounds each tile of the chunk's start state to bf16 where it loads it (for bf16
+inputs) and keeps those bf16 copies, Z, q W0 and q m0 for the backward, which runs in XLA as
+batched products over the P chunks (`_backward`):
+
+    Ĥ̄ = P ⊙ (Ō W1ᵀ) + c ⊙ (Ō m1ᵀ) + (S1 ⊙ M) H,  S1 = Ō Eᵀ,   Z̄ = Ĥ̄ ⊙ σ'(Z)
+    W̄1 = Ĥᵀ (P ⊙ Ō),  m̄1 = Ĥᵀ (c ⊙ Ō),  H̄ = (S1 ⊙ M)ᵀ Ĥ,  W̄0 = qᵀ (P ⊙ Z̄),  m̄0 = qᵀ (c ⊙ Z̄)
+    D̄ = G0ᵀ Z̄,  S0 = Z̄ Dᵀ,  q̄ = (P ⊙ Z̄) W0ᵀ + (c ⊙ Z̄) m0ᵀ + (S0 ⊙ M) a (+ Ō),  ā = (S0 ⊙ M)ᵀ q
+    Ē = (M ⊙ Ĥ Hᵀ)ᵀ Ō,  M̄ = S1 ⊙ (Ĥ Hᵀ) + S0 ⊙ (q aᵀ),  P̄ = rowsum(Ĥ ⊙ Ō W1ᵀ + Z̄ ⊙ q W0) (c̄ alike)
+
+Measured on an H200 (2026-11-28, titans' memory layer, bf16, forward+backward, each row one
+command of `benchmarks/compare_trees.py` against the layer with XLA's reads;
+benchmarks/results/titans_reads_kernel_h200_2026-11-28.md): B4 T4096 H8 D128 20.55 -> 19.87 ms,
+B1 T16384 24.63 -> 24.28, peak memory 5.94 -> 5.84 GiB at B4. The forward kernel takes 1.53 ms
+of it at B4, where XLA's forward reads took ~2.5 (their products, and a pass casting every
+chunk's start state to bf16). A backward kernel (the same math per program, 17 products a tile)
+was slower than XLA's batched products: 4.94 ms against ~2.6, the layer 1.088x (every tile a
+program) and 1.074x (a program walking a chunk's tiles); the measured variants are in the results
+file.
+
+Precision: bf16 queries and sources give every product bf16 operands (float32 accumulation), as
+the dual form's reads take them with bf16 q, k, v (the kept Z, q W0, q m0 are bf16 then); float32
+ones float32-accurate products (six bf16 dots of split operands in the kernel, `gpu_math._dot`;
+HIGHEST precision in XLA). The Gram matrices, the coefficients and every sum are float32. Zero
+padding (every size to a power of two >= 16) changes no number, for activations with σ(0) = 0
+(`support` module docstring): a padded query row has P = c = 0 and a zero row of M, a padded
+source a zero column of M, a padded hidden unit zero columns of W0, m0 and D and rows of W1, m1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad
+from atlas_jax.kernels.delta_family.gpu import default_interpret
+from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt
+from atlas_jax.kernels.delta_family.support import check_num_warps, is_int
+from atlas_jax.kernels.omega.support import next_pow2
+from atlas_jax.ops.deep_memory.state_pass import MLPSources, MLPStates
+
+__all__ = ["MLPReadsGpuBlockSizes", "mlp_reads_gpu"]
+
+_FN = "mlp_reads_gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPReadsGpuBlockSizes:
+    """block_hidden: hidden units a program takes (a power of two >= 16 dividing h padded to a
+    power of two; None: min(h, 64)); num_warps: warps per program. On an H200 (titans B4 T4096,
+    the layer's fwd+bwd against 64 units on 4 warps, one command, before the kernel kept θ's bf16
+    operands): 32 units 1.021x, 128 units on 8 warps 1.002x (results file in the module
+    docstring)."""
+    block_hidden: int | None = None
+    num_warps: int = 4
+
+    def check(self, h):
+        b = self.block_hidden
+        if not is_int(b) or b < 16 or b & (b - 1) or h % b:
+            raise ValueError(f"{_FN}: argument `block_sizes.block_hidden` must be a power of two >= 16 dividing "
+                             f"the hidden width {h} (padded to a power of two); got {b!r}.")
+        check_num_warps(_FN, self, ("num_warps",))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    momentum: bool
+    residual: bool
+    activation: str
+    low: bool               # bf16 operands (bf16 queries and sources)
+    hidden: int             # padded
+    block_hidden: int
+    num_warps: int
+    interpret: bool
+
+    @property
+    def tiles(self):
+        return self.hidden // self.block_hidden
+
+
+def _names(cfg):
+    return ("w0", "w1", "m0", "m1") if cfg.momentum else ("w0", "w1")
+
+
+def _rows(ref, p):
+    """A per-row coefficient [b] of program p as a [b, 1] column."""
+    return load_f32(ref, (p, slice(None)))[:, None]
+
+
+def _weight(r, cfg, name, p, cols):
+    """Program p's operand tile of θ (or the momentum) ``name``; for bf16 inputs rounded to bf16
+    and kept in ``name``_b for the backward (whose products would otherwise cast every chunk's
+    start state once more: titans B4 T4096 H8 D128 on an H200, 0.76 ms of casts against 0.31 ms
+    more in this kernel; the layer 20.35 -> 19.87 ms, one command)."""
+    index = (p, slice(None), cols) if name in ("w0", "m0") else (p, cols, slice(None))
+    tile = load_f32(r[name], index)
+    if cfg.low:
+        tile = tile.astype(BF16)
+        r[name + "_b"][index] = tile
+    return tile
+
+
+def _fwd_kernel(r, cfg: _Cfg):
+    """Hidden tile j of chunk p: its share of O, and what the backward keeps of it."""
+    j, p, all_ = pl.program_id(0), pl.program_id(1), slice(None)
+    dot = lambda f: functools.partial(f, low=cfg.low, exact=False)
+    mm_, mm_nt_ = dot(mm), dot(mm_nt)
+    operand = (lambda x: x.astype(BF16)) if cfg.low else (lambda x: x)
+    q, a = r["q"][p, :, :], r["a"][p, :, :]
+    rows = load_f32(r["rows"], (p, all_, all_))
+    fs = _rows(r["fs"], p)
+    cols = pl.ds(pl.multiple_of(j * cfg.block_hidden, cfg.block_hidden), cfg.block_hidden)
+    zw = mm_(q, _weight(r, cfg, "w0", p, cols))
+    z = fs * zw + mm_(operand(rows * mm_nt_(q, a)), r["d0"][p, :, cols])
+    kept = {"z": z, "zw": zw}
+    if cfg.momentum:
+        sc = _rows(r["sc"], p)
+        kept["zm"] = mm_(q, _weight(r, cfg, "m0", p, cols))
+        z = z + sc * kept["zm"]
+        kept["z"] = z
+    for name, value in kept.items():
+        r[name][p, :, cols] = value.astype(r[name].dtype)
+    hidden = operand(act_and_grad(cfg.activation, z)[0])
+    out = fs * mm_(hidden, _weight(r, cfg, "w1", p, cols))
+    if cfg.momentum:
+        out = out + sc * mm_(hidden, _weight(r, cfg, "m1", p, cols))
+    g1 = mm_nt_(hidden, r["hid"][p, :, cols])
+    out = out + mm_(operand(rows * g1), operand(load_f32(r["e"], (p, all_, all_))))
+    if cfg.residual:   # tile 0 adds it
+        out = out + (1 - jnp.minimum(j, 1)).astype(F32) * q.astype(F32)
+    r["o"][p, j, :, :] = out
+
+
+def _forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
+    """(O [P, b, dv], {name: kept value}: Z, q W0, q m0 [P, b, h] in the inputs' dtype and, for
+    bf16 inputs, θ's bf16 operands)."""
+    P, b = q.shape[:2]
+    dv = starts.w1.shape[-1]
+    ins = dict(q=q, a=a, hid=hid, d0=d0, e=e, rows=rows, fs=fs, sc=sc, **dict(zip(("w0", "w1", "m0", "m1"), starts)))
+    ins = {k: v for k, v in ins.items() if v is not None}
+    kept = jax.ShapeDtypeStruct((P, b, cfg.hidden), q.dtype)
+    outs = {"o": jax.ShapeDtypeStruct((P, cfg.tiles, b, dv), F32), "z": kept, "zw": kept}
+    if cfg.momentum:
+        outs["zm"] = kept
+    if cfg.low:
+        outs.update({k + "_b": jax.ShapeDtypeStruct(ins[k].shape, BF16) for k in _names(cfg)})
+    in_names, out_names = list(ins), list(outs)
+
+    def body(*refs):
+        _fwd_kernel(dict(zip(in_names + out_names, refs)), cfg)
+
+    res = pl.pallas_call(body, grid=(cfg.tiles, P), out_shape=list(outs.values()),
+                         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+                         interpret=cfg.interpret, name="mlp_reads_gpu_fwd")(*ins.values())
+    res = dict(zip(out_names, res))
+    return jnp.sum(res.pop("o"), axis=1), res
+
+
+def _backward(cfg, res, do):
+    """The module docstring's backward, batched over the P chunks in XLA."""
+    (starts, q, a, hid, d0, e, fs, sc, rows), kept = res
+    operand = BF16 if cfg.low else F32
+    precision = None if cfg.low else lax.Precision.HIGHEST
+
+    def dot(spec, x, y):
+        return jnp.einsum(spec, x.astype(operand), y.astype(operand), preferred_element_type=F32,
+                          precision=precision)
+
+    if cfg.low:
+        w0, w1, m0, m1 = (kept.get(k + "_b") for k in ("w0", "w1", "m0", "m1"))
+    else:
+        w0, w1, m0, m1 = starts
+    fs_, sc_ = fs[..., None], None if sc is None else sc[..., None]
+    z, zw = kept["z"].astype(F32), kept["zw"].astype(F32)
+    hidden, slope = act_and_grad(cfg.activation, z, erf=lax.erf)
+    ow = dot("PBV,PHV->PBH", do, w1)
+    s1 = dot("PBV,PNV->PBN", do, e)
+    g1_bar = s1 * rows
+    h_bar = fs_ * ow + dot("PBN,PNH->PBH", g1_bar, hid)
+    if cfg.momentum:
+        om = dot("PBV,PHV->PBH", do, m1)
+        h_bar = h_bar + sc_ * om
+    z_bar = h_bar * slope
+    d_fs = jnp.sum(hidden * ow + z_bar * zw, axis=-1)
+    g1 = dot("PBH,PNH->PBN", hidden, hid)
+    qa = dot("PBD,PND->PBN", q, a)
+    s0 = dot("PBH,PNH->PBN", z_bar, d0)
+    g0_bar = s0 * rows
+    dq = dot("PBH,PDH->PBD", fs_ * z_bar, w0) + dot("PBN,PND->PBD", g0_bar, a)
+    d_starts = MLPStates(dot("PBD,PBH->PDH", q, fs_ * z_bar), dot("PBH,PBV->PHV", hidden, fs_ * do))
+    d_sc = None
+    if cfg.momentum:
+        d_sc = jnp.sum(hidden * om + z_bar * kept["zm"].astype(F32), axis=-1).astype(sc.dtype)
+        dq = dq + dot("PBH,PDH->PBD", sc_ * z_bar, m0)
+        d_starts = d_starts._replace(m0=dot("PBD,PBH->PDH", q, sc_ * z_bar), m1=dot("PBH,PBV->PHV", hidden, sc_ * do))
+    if cfg.residual:
+        dq = dq + do
+    return (d_starts, dq.astype(q.dtype), dot("PBN,PBD->PND", g0_bar, q).astype(a.dtype),
+            dot("PBN,PBH->PNH", g1_bar, hidden).astype(hid.dtype),
+            dot("PBN,PBH->PNH", rows * qa, z_bar).astype(d0.dtype), dot("PBN,PBV->PNV", rows * g1, do).astype(e.dtype),
+            d_fs.astype(fs.dtype), d_sc, (s1 * g1 + s0 * qa).astype(rows.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
+    return _forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows)[0]
+
+
+def _core_fwd(cfg, *args):
+    out, kept = _forward(cfg, *args)
+    return out, (args, kept)
+
+
+_core.defvjp(_core_fwd, _backward)
+
+
+def _pad_to(x, shape):
+    return jnp.pad(x, [(0, s - k) for k, s in zip(x.shape, shape)])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _run(starts, queries, a, hidden, d0, errors, from_start, state_carry, state_rows, *, cfg):
+    B, H, N, b, d = queries.shape
+    n, dv = a.shape[3], starts.w1.shape[-1]
+    bp, np_, dp, vp = (next_pow2(x, least=16) for x in (b, n, d, dv))
+    hp, P = cfg.hidden, B * H * N
+
+    def flat(x, *tail):
+        return None if x is None else _pad_to(x.reshape((P,) + x.shape[3:]), (P,) + tail)
+
+    f32 = lambda x: None if x is None else x.astype(F32)
+    st = MLPStates(flat(f32(starts.w0), dp, hp), flat(f32(starts.w1), hp, vp), flat(f32(starts.m0), dp, hp),
+                   flat(f32(starts.m1), hp, vp))
+    out = _core(cfg, st, flat(queries, bp, dp), flat(a, np_, dp), flat(hidden, np_, hp), flat(d0, np_, hp),
+                flat(f32(errors), np_, vp), flat(f32(from_start), bp), flat(f32(state_carry), bp),
+                flat(f32(state_rows), bp, np_))
+    return out[:, :b, :dv].reshape(B, H, N, b, dv)
+
+
+def mlp_reads_gpu(starts: MLPStates, queries, a, sources: MLPSources, errors, from_start, state_carry,
+                  state_rows, *, activation: str, residual: bool, interpret=None, block_sizes=None):
+    """`atlas_jax.ops.deep_memory.mlp_reads` on the GPU kernel (arguments checked there); float32
+    outputs [B, H, N, b, dv]. bf16 queries, a and sources take bf16 products."""
+    bs = MLPReadsGpuBlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(bs, MLPReadsGpuBlockSizes):
+        raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPReadsGpuBlockSizes; got {type(bs).__name__}.")
+    dtypes = {x.dtype for x in (queries, a, sources.hidden, sources.d0)}
+    if len(dtypes) != 1 or not dtypes <= {jnp.dtype(F32), jnp.dtype(BF16)}:
+        raise TypeError(f"{_FN}: arguments `queries`, `a`, `sources.hidden` and `sources.d0` must share one dtype, "
+                        f"float32 or bfloat16; got {sorted(str(x) for x in dtypes)}.")
+    hp = next_pow2(starts.w0.shape[-1], least=16)
+    if bs.block_hidden is None:
+        bs = dataclasses.replace(bs, block_hidden=min(hp, 64))
+    bs.check(hp)
+    cfg = _Cfg(momentum=starts.m0 is not None, residual=bool(residual), activation=activation,
+               low=queries.dtype == BF16, hidden=hp, block_hidden=bs.block_hidden, num_warps=bs.num_warps,
+               interpret=bool(default_interpret() if interpret is None else interpret))
+    return _run(starts, queries, a, sources.hidden, sources.d0, errors, from_start, state_carry, state_rows,
+                cfg=cfg)
