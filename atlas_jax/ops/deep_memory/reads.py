@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.memory import ACTIVATIONS
-from atlas_jax.ops.deep_memory.state_pass import MLPSources, MLPStates
+from atlas_jax.ops.deep_memory.state_pass import MLPSources, MLPStates, check_shapes
 
 READ_IMPLS = ("chunk", "pallas")
 
@@ -74,13 +74,8 @@ def _check(starts, queries, a, sources, errors, from_start, state_carry, state_r
                        "state_carry": (state_carry, (B, H, N, b))})
     elif starts.m1 is not None or state_carry is not None:
         raise ValueError(f"{fn}: without momentum (starts.m0 None) pass starts.m1 and state_carry as None too.")
-    for name, (x, shape) in expect.items():
-        if x is None or tuple(x.shape) != shape:
-            got = None if x is None else tuple(x.shape)
-            raise ValueError(f"{fn}: argument `{name}` must have shape {shape} (from queries = [B, H, N, b, d], "
-                             f"a = [B, H, N, n, d] and starts.w0 = [B, H, N, d, h]); got {got}.")
-    if residual and d != dv:
-        raise ValueError(f"{fn}: the identity residual needs d == dv; got d = {d}, dv = {dv}.")
+    check_shapes(fn, expect, "from queries = [B, H, N, b, d], a = [B, H, N, n, d] and starts.w0 = [B, H, N, d, h]",
+                 residual, d, dv)
 
 
 def mlp_reads(starts: MLPStates, queries, a, sources: MLPSources, errors, from_start, state_carry=None,

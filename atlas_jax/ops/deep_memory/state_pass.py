@@ -103,11 +103,16 @@ def _check(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentu
     elif any(x is not None for x in (state.m1, momentum_rows, carry_end, momentum_carry)):
         raise ValueError(f"{fn}: without momentum (state.m0 None) pass state.m1, momentum_rows, "
                          "carry_end and momentum_carry as None too.")
+    check_shapes(fn, expect, "from a = [B, H, N, n, d] and state.w0 = [B, H, d, h]", residual, d, dv)
+
+
+def check_shapes(fn, expect, origin, residual, d, dv):
+    """ValueError naming the first of ``expect`` ({argument: (array or None, shape)}) whose shape
+    is not its own (``origin`` says where the shapes come from), or the identity residual's widths."""
     for name, (x, shape) in expect.items():
         if x is None or tuple(x.shape) != shape:
             got = None if x is None else tuple(x.shape)
-            raise ValueError(f"{fn}: argument `{name}` must have shape {shape} (from a = [B, H, N, n, d] "
-                             f"and state.w0 = [B, H, d, h]); got {got}.")
+            raise ValueError(f"{fn}: argument `{name}` must have shape {shape} ({origin}); got {got}.")
     if residual and d != dv:
         raise ValueError(f"{fn}: the identity residual needs d == dv; got d = {d}, dv = {dv}.")
 
