@@ -22,8 +22,8 @@ Measured on an H200 (2026-11-28, titans' memory layer, bf16, forward+backward, e
 command of `benchmarks/compare_trees.py` against the layer with XLA's reads;
 benchmarks/results/titans_reads_kernel_h200_2026-11-28.md): B4 T4096 H8 D128 20.55 -> 19.87 ms,
 B1 T16384 24.63 -> 24.28, peak memory 5.94 -> 5.84 GiB at B4. The forward kernel takes 1.53 ms
-of it at B4, where XLA's forward reads took ~2.5 (their products, and a pass casting every
-chunk's start state to bf16). A backward kernel (the same math per program, 17 products a tile)
+of it at B4, where XLA's forward reads took 2.0 ms in their scope (a pass casting every chunk's
+start state to bf16 among them) besides a share of ~1.5 ms of cuBLAS products. A backward kernel (the same math per program, 17 products a tile)
 was slower than XLA's batched products: 4.94 ms against ~2.6, the layer 1.088x (every tile a
 program) and 1.074x (a program walking a chunk's tiles); the measured variants are in the results
 file.
