@@ -7,7 +7,10 @@ kernels/deep_memory/gpu_reads.py; issue 21 item 2), in Pallas interpret mode on 
 (b) the reference is the dual form's `chunk_read` for this memory: whole MemorySpec calls whose
     reads run on the op (forced for float32 inputs, where impl="pallas" would keep XLA's reads)
     equal the dual form in XLA for outputs, final states and every gradient;
-(c) the kernel lowers to Triton for CUDA (export); errors.
+(c) `mlp_state_pass_and_reads` (the state pass and the reads in one custom VJP, the reads'
+    start-state cotangents handed to the pass's backward kernel as factors) equals the two
+    references, outputs and every gradient;
+(d) the kernel lowers to Triton for CUDA (export); errors.
 `gpu`-marked tests compile it on a GPU.
 
 Tolerance: 1e-5 relative in float32 (both sides float32: the kernel's split-operand dots and erf,
@@ -23,10 +26,13 @@ import pytest
 from helpers import rel, tree_rel
 from test_deep_memory_kernel import SPECS, TOL, _spec_inputs, _spec_run
 
+from atlas_jax import presets
 from atlas_jax.forms import chunked, dual
 from atlas_jax.kernels.deep_memory.gpu_reads import MLPReadsGpuBlockSizes
+from atlas_jax.ops import deep_memory
 from atlas_jax.ops.deep_memory import MLPSources, MLPStates
-from atlas_jax.ops.deep_memory.reads import mlp_reads
+from atlas_jax.ops.deep_memory import reads as reads_module
+from atlas_jax.ops.deep_memory.reads import mlp_reads, mlp_state_pass_and_reads
 
 BF16_TOL = 2e-2
 
@@ -79,22 +85,69 @@ def test_reads_kernel_equals_reference(momentum, residual, activation, dtype):
 
 @pytest.mark.parametrize("name", ["titans", "residual_window"])
 def test_memory_spec_with_reads_on_the_kernel_equals_the_dual_form(name, monkeypatch):
-    """The reads on the op for float32 inputs too (the route takes it for bf16 ones), so that the
-    comparison with the dual form in XLA holds at float32 rounding: titans (momentum) and a residual
-    MLP with an Omega window of 3 (n = b + 2 sources a chunk), T = 37 in chunks of 16."""
+    """The reads on the kernel (`mlp_reads`) for float32 inputs too (the route takes it for bf16
+    ones), so that the comparison with the dual form in XLA holds at float32 rounding: titans
+    (momentum) and a residual MLP with an Omega window of 3 (n = b + 2 sources a chunk), T = 37 in
+    chunks of 16."""
     monkeypatch.setattr(dual, "_reads_on_kernel", lambda low_precision, terms: terms.src_scale is None)
+    calls = []
+    real = reads_module.mlp_reads
+    monkeypatch.setattr(reads_module, "mlp_reads", lambda *a, **k: calls.append(k["impl"]) or real(*a, **k))
     spec = SPECS[name]()
     args = _spec_inputs(spec, 3)
-    calls = []
-    real = dual._kernel_reads
-    monkeypatch.setattr(dual, "_kernel_reads", lambda *a: calls.append(1) or real(*a))
     with chunked.dual_form():
         o_r, f_r, g_r = _spec_run(spec, "chunk", args)
         o, f, g = _spec_run(spec, "pallas", args)
-    assert calls, "the reads did not run on the op"
+    assert calls == ["pallas"], "the reads did not run on the kernel"
     assert rel(o, o_r) <= TOL and tree_rel(f, f_r) <= TOL
     for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
         assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
+
+
+def _joint_outputs_and_grads(impl, dtype=jnp.float32, interpret=True, B=1, H=2, N=3, b=9, n=11, d=8, h=32, dv=8):
+    from test_deep_memory_kernel import _operands as pass_operands
+
+    args = pass_operands(3, momentum=True, B=B, H=H, N=N, n=n, d=d, h=h, dv=dv, dtype=dtype)
+    ks = jax.random.split(jax.random.PRNGKey(9), 4)
+    reads = (jax.random.normal(ks[0], (B, H, N, b, d)).astype(dtype),
+             jnp.exp(-jnp.abs(jax.random.normal(ks[1], (B, H, N, b)))), jax.random.normal(ks[2], (B, H, N, b)),
+             0.2 * jax.random.normal(ks[3], (B, H, N, b, n)))
+
+    def loss(*x):
+        kw = dict(interpret=interpret) if impl == "pallas" else {}
+        final, o = mlp_state_pass_and_reads(*x, activation="gelu", impl=impl, **kw)
+        return (jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape)))
+                + sum(jnp.sum(jnp.sin(f)) for f in final)), o
+
+    f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+    (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(12)), has_aux=True))(*args, *reads)
+    return o, f32(g)
+
+
+def test_state_pass_and_reads_equal_the_references():
+    """The joint op (the reads' start-state cotangents reach the state pass's backward kernel as
+    factors) against the two references: momentum, b = 9 queries and n = 11 sources a chunk."""
+    o, g = _joint_outputs_and_grads("pallas")
+    o_r, g_r = _joint_outputs_and_grads("chunk")
+    assert rel(o, o_r) <= TOL
+    for i, (x, y) in enumerate(zip(g, g_r)):
+        assert tree_rel(x, y) <= TOL, (i, tree_rel(x, y))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,sizes", [(jnp.float32, dict(h=128)),
+                                         (jnp.bfloat16, dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128))])
+def test_gpu_state_pass_and_reads_equal_the_references(dtype, sizes):
+    """Compiled, with several hidden tiles a head in both kernels (what interpret mode cannot run)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    with jax.default_matmul_precision("highest"):
+        o, g = _joint_outputs_and_grads("pallas", dtype, interpret=False, **sizes)
+        o_r, g_r = _joint_outputs_and_grads("chunk", dtype, **sizes)
+    tol = TOL if dtype == jnp.float32 else BF16_TOL
+    assert rel(o, o_r) <= tol
+    for i, (x, y) in enumerate(zip(g, g_r)):
+        assert tree_rel(x, y) <= tol, (i, tree_rel(x, y))
 
 
 def test_bf16_route_runs_the_reads_kernel():
@@ -156,3 +209,27 @@ def test_gpu_compiled_reads_kernel_equals_reference(dtype, sizes):
     for g, w in zip(got[1], want[1]):
         if w is not None:
             assert tree_rel(jax.tree.map(lambda x: x.astype(jnp.float32), g), w) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, monkeypatch):
+    """titans (hidden 128 float32, 512 bf16: several tiles a head in both kernels) with its reads on
+    the kernel, float32 forced onto that route (1e-5) and bf16 as impl="pallas" takes it
+    (against the float32 dual form on the bf16-rounded inputs: 2e-2 outputs and state, 5e-2
+    gradients, as test_deep_memory_kernel's bf16 case)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    monkeypatch.setattr(dual, "_reads_on_kernel", lambda low_precision, terms: terms.src_scale is None)
+    # float32's split-operand products compile faster at a narrower hidden width (test_deep_memory_kernel)
+    spec = presets.get("titans", hidden=128 if dtype == jnp.float32 else None)
+    q, k, v, knobs, state = _spec_inputs(spec, 9, B=2, T=300, H=2, K=128, V=128)
+    low = tuple(x.astype(dtype) for x in (q, k, v))
+    with jax.default_matmul_precision("highest"), chunked.dual_form():
+        o_r, f_r, g_r = _spec_run(spec, "chunk", tuple(x.astype(jnp.float32) for x in low) + (knobs, state), chunk=64)
+        o, f, g = _spec_run(spec, "pallas", low + (knobs, state), chunk=64)
+    tol, grad_tol = (TOL, TOL) if dtype == jnp.float32 else (2e-2, 5e-2)
+    assert rel(o.astype(jnp.float32), o_r) <= tol and tree_rel(f, f_r) <= tol
+    for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
+        a = jax.tree.map(lambda x: x.astype(jnp.float32), a)
+        assert tree_rel(a, b) <= grad_tol, (label, tree_rel(a, b))

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,7 @@ class _Cfg(support.PassCfg):
     dots: str
     block_hidden_bwd: int
     sources: bool = False    # the forward also returns every chunk's H, D and Y (state_pass.MLPSources)
+    factors: bool = False    # the backward takes the start states' cotangents as `StartFactors`
 
     @property
     def tiles(self):
@@ -386,7 +388,8 @@ def _bwd_kernel(r, cfg: _Cfg):
     N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
 
     # Every chunk's start-state cotangent is kept, g_[i] for chunk i, written over the cotangent
-    # the start state received directly (ds_[i], the same buffer: read just before), so that the
+    # the start state received directly (ds_[i], the same buffer: read just before; or, with
+    # cfg.factors, formed here from the reads' `StartFactors` in a buffer of its own), so that the
     # decay's and momentum coefficients' cotangents <X, θ>, <X, m>, <M, m> are one XLA pass over
     # them and the kept start states, not six tile products and reductions per chunk here.
 
@@ -462,13 +465,36 @@ def _bwd_kernel(r, cfg: _Cfg):
                 new[m] = carry * x_w + mcarry * x(m)
             for name, value in new.items():
                 idx = (bh, i) + _tile_index(name, cols)
-                r["g_" + name][idx] = value + load_f32(r["ds_" + name], idx)
+                r["g_" + name][idx] = value + _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_)
         _cta_barrier(cfg)
         return stuck
 
     # the last chunk peeled (its X is d_final's), the others in the loop
     stuck = chunk(0, jnp.bool_(False), last=True)
     lax.fori_loop(1, N, functools.partial(chunk, last=False), stuck)
+
+
+class StartFactors(NamedTuple):
+    """Every chunk's start-state cotangents as the reads form them, rank-b products [B·H, N, ...]
+    the backward kernel forms itself instead of loading them θ-sized: W0's q_wᵀ u0 and m0's
+    q_wᵀ v0 (q_w [b, d], u0 and v0 [b, h]), W1's h_wᵀ u1 and m1's h_wᵀ v1 (h_w [b, h], u1 and v1
+    [b, dv]); v0, v1 None without momentum."""
+    q_w: jax.Array
+    u0: jax.Array
+    v0: Any
+    h_w: jax.Array
+    u1: jax.Array
+    v1: Any
+
+
+def _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_):
+    """What chunk i's start state `name` receives directly (its tile): loaded, or formed from the
+    reads' `StartFactors`."""
+    if not cfg.factors:
+        return load_f32(r["ds_" + name], idx)
+    if name in ("w0", "m0"):
+        return mm_tn_(r["f_q_w"][bh, i, :, :], r["f_u0" if name == "w0" else "f_v0"][bh, i, :, cols])
+    return mm_tn_(r["f_h_w"][bh, i, :, cols], r["f_u1" if name == "w1" else "f_v1"][bh, i, :, :])
 
 
 def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, mcarry, d_starts, d_final,
@@ -484,7 +510,11 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
     if cfg.sources:
         ins.update(c_hidden=d_sources.hidden, c_d0=d_sources.d0, c_y=d_sources.y)
     for i, key in enumerate(keys):
-        ins["s_" + key], ins["ds_" + key], ins["df_" + key] = starts[i], d_starts[i], d_final[i]
+        ins["s_" + key], ins["df_" + key] = starts[i], d_final[i]
+        if not cfg.factors:
+            ins["ds_" + key] = d_starts[i]
+    if cfg.factors:   # d_starts is a StartFactors
+        ins.update({"f_" + k: v for k, v in d_starts._asdict().items() if v is not None})
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
     shapes = {"w0": (d, h), "w1": (h, dv), "m0": (d, h), "m1": (h, dv)}
     outs = {**{"g_" + k: sds(BH, N, *shapes[k]) for k in keys},
@@ -500,7 +530,7 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         _bwd_kernel(dict(zip(in_names + out_names, refs)), cfg)
 
     # g_ is written over ds_ (no second [B·H, N, ...] buffer per state)
-    aliases = {list(ins).index("ds_" + k): out_names.index("g_" + k) for k in keys}
+    aliases = {} if cfg.factors else {list(ins).index("ds_" + k): out_names.index("g_" + k) for k in keys}
     res = pl.pallas_call(
         kernel, grid=(tiles, BH), out_shape=list(outs.values()),
         input_output_aliases={**aliases, len(ins): out_names.index("count")},
@@ -565,6 +595,16 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
     ``sources`` every chunk's MLPSources [B, H, N, ...] as the forward kernel formed them (the
     backward kernel takes their cotangents; with ``block_sizes.backward="xla"`` the pair only:
     the op forms them from the start states)."""
+    cfg, padded, backward = pass_config(state, a, targets, activation=activation, residual=residual,
+                                        interpret=interpret, block_sizes=block_sizes, sources=sources)
+    run = _run if backward == "kernel" else _run_xla_backward
+    return run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
+               cfg=cfg, padded=padded)
+
+
+def pass_config(state: MLPStates, a, targets, *, activation, residual, interpret, block_sizes, sources, factors=False):
+    """(the kernels' static config, the padded (n, d, h, dv), block_sizes.backward) for a call of
+    `mlp_state_pass_gpu`'s arguments."""
     bs = MLPGpuBlockSizes() if block_sizes is None else block_sizes
     if not isinstance(bs, MLPGpuBlockSizes):
         raise TypeError(f"{_FN}: argument `block_sizes` must be an MLPGpuBlockSizes; got "
@@ -576,8 +616,6 @@ def mlp_state_pass_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
                dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd,
-               sources=bool(sources) and bs.backward == "kernel")
+               sources=bool(sources) and bs.backward == "kernel", factors=factors)
     padded = tuple(next_pow2(x, least=16) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
-    run = _run if bs.backward == "kernel" else _run_xla_backward
-    return run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
-               cfg=cfg, padded=padded)
+    return cfg, padded, bs.backward

@@ -23,8 +23,8 @@ command of `benchmarks/compare_trees.py` against the layer with XLA's reads;
 benchmarks/results/titans_reads_kernel_h200_2026-11-28.md): B4 T4096 H8 D128 20.55 -> 19.87 ms,
 B1 T16384 24.63 -> 24.28, peak memory 5.94 -> 5.84 GiB at B4. The forward kernel takes 1.53 ms
 of it at B4, where XLA's forward reads took 2.0 ms in their scope (a pass casting every chunk's
-start state to bf16 among them) besides a share of ~1.5 ms of cuBLAS products. A backward kernel (the same math per program, 17 products a tile)
-was slower than XLA's batched products: 4.94 ms against ~2.6, the layer 1.088x (every tile a
+start state to bf16 among them) besides a share of ~1.5 ms of cuBLAS products. A backward kernel
+(the same math per program, 17 products a tile) was slower than XLA's batched products: 4.94 ms against ~2.6, the layer 1.088x (every tile a
 program) and 1.074x (a program walking a chunk's tiles); the measured variants are in the results
 file.
 
@@ -48,7 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad
+from atlas_jax.kernels.deep_memory.gpu import StartFactors
+from atlas_jax.kernels.deep_memory.support import F32, BF16, act_and_grad, pad_to
 from atlas_jax.kernels.delta_family.gpu import default_interpret
 from atlas_jax.kernels.delta_family.gpu_math import load_f32, mm, mm_nt
 from atlas_jax.kernels.delta_family.support import check_num_warps, is_int
@@ -147,7 +148,7 @@ def _fwd_kernel(r, cfg: _Cfg):
     r["o"][p, j, :, :] = out
 
 
-def _forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
+def forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
     """(O [P, b, dv], {name: kept value}: Z, q W0, q m0 [P, b, h] in the inputs' dtype and, for
     bf16 inputs, θ's bf16 operands)."""
     P, b = q.shape[:2]
@@ -172,8 +173,10 @@ def _forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
     return jnp.sum(res.pop("o"), axis=1), res
 
 
-def _backward(cfg, res, do):
-    """The module docstring's backward, batched over the P chunks in XLA."""
+def backward_parts(cfg, res, do):
+    """The module docstring's backward, batched over the P chunks in XLA: (the start states'
+    cotangents as their factors, a `gpu.StartFactors` [P, ...], and the other arguments'
+    cotangents: q̄, ā, H̄, D̄, Ē, P̄, c̄, M̄)."""
     (starts, q, a, hid, d0, e, fs, sc, rows), kept = res
     operand = BF16 if cfg.low else F32
     precision = None if cfg.low else lax.Precision.HIGHEST
@@ -203,35 +206,41 @@ def _backward(cfg, res, do):
     s0 = dot("PBH,PNH->PBN", z_bar, d0)
     g0_bar = s0 * rows
     dq = dot("PBH,PDH->PBD", fs_ * z_bar, w0) + dot("PBN,PND->PBD", g0_bar, a)
-    d_starts = MLPStates(dot("PBD,PBH->PDH", q, fs_ * z_bar), dot("PBH,PBV->PHV", hidden, fs_ * do))
+    as_operand = lambda x: None if x is None else x.astype(operand)
+    factors = StartFactors(as_operand(q), as_operand(fs_ * z_bar), None, as_operand(hidden), as_operand(fs_ * do), None)
     d_sc = None
     if cfg.momentum:
         d_sc = jnp.sum(hidden * om + z_bar * kept["zm"].astype(F32), axis=-1).astype(sc.dtype)
         dq = dq + dot("PBH,PDH->PBD", sc_ * z_bar, m0)
-        d_starts = d_starts._replace(m0=dot("PBD,PBH->PDH", q, sc_ * z_bar), m1=dot("PBH,PBV->PHV", hidden, sc_ * do))
+        factors = factors._replace(v0=as_operand(sc_ * z_bar), v1=as_operand(sc_ * do))
     if cfg.residual:
         dq = dq + do
-    return (d_starts, dq.astype(q.dtype), dot("PBN,PBD->PND", g0_bar, q).astype(a.dtype),
-            dot("PBN,PBH->PNH", g1_bar, hidden).astype(hid.dtype),
-            dot("PBN,PBH->PNH", rows * qa, z_bar).astype(d0.dtype), dot("PBN,PBV->PNV", rows * g1, do).astype(e.dtype),
-            d_fs.astype(fs.dtype), d_sc, (s1 * g1 + s0 * qa).astype(rows.dtype))
+    return factors, (dq.astype(q.dtype), dot("PBN,PBD->PND", g0_bar, q).astype(a.dtype),
+                     dot("PBN,PBH->PNH", g1_bar, hidden).astype(hid.dtype),
+                     dot("PBN,PBH->PNH", rows * qa, z_bar).astype(d0.dtype),
+                     dot("PBN,PBV->PNV", rows * g1, do).astype(e.dtype), d_fs.astype(fs.dtype), d_sc,
+                     (s1 * g1 + s0 * qa).astype(rows.dtype))
+
+
+def _backward(cfg, res, do):
+    """`backward_parts` with the start states' cotangents formed θ-sized (P products each)."""
+    f, rest = backward_parts(cfg, res, do)
+    outer = lambda x, y: None if y is None else jnp.einsum("PBI,PBJ->PIJ", x, y, preferred_element_type=F32,
+                                                           precision=None if cfg.low else lax.Precision.HIGHEST)
+    return (MLPStates(outer(f.q_w, f.u0), outer(f.h_w, f.u1), outer(f.q_w, f.v0), outer(f.h_w, f.v1)), *rest)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
-    return _forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows)[0]
+    return forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows)[0]
 
 
 def _core_fwd(cfg, *args):
-    out, kept = _forward(cfg, *args)
+    out, kept = forward(cfg, *args)
     return out, (args, kept)
 
 
 _core.defvjp(_core_fwd, _backward)
-
-
-def _pad_to(x, shape):
-    return jnp.pad(x, [(0, s - k) for k, s in zip(x.shape, shape)])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -242,7 +251,7 @@ def _run(starts, queries, a, hidden, d0, errors, from_start, state_carry, state_
     hp, P = cfg.hidden, B * H * N
 
     def flat(x, *tail):
-        return None if x is None else _pad_to(x.reshape((P,) + x.shape[3:]), (P,) + tail)
+        return None if x is None else pad_to(x.reshape((P,) + x.shape[3:]), (P,) + tail)
 
     f32 = lambda x: None if x is None else x.astype(F32)
     st = MLPStates(flat(f32(starts.w0), dp, hp), flat(f32(starts.w1), hp, vp), flat(f32(starts.m0), dp, hp),
@@ -264,12 +273,19 @@ def mlp_reads_gpu(starts: MLPStates, queries, a, sources: MLPSources, errors, fr
     if len(dtypes) != 1 or not dtypes <= {jnp.dtype(F32), jnp.dtype(BF16)}:
         raise TypeError(f"{_FN}: arguments `queries`, `a`, `sources.hidden` and `sources.d0` must share one dtype, "
                         f"float32 or bfloat16; got {sorted(str(x) for x in dtypes)}.")
-    hp = next_pow2(starts.w0.shape[-1], least=16)
+    cfg = reads_config(starts.w0.shape[-1], starts.m0 is not None, queries.dtype == BF16, activation=activation,
+                       residual=residual, interpret=interpret, block_sizes=bs)
+    return _run(starts, queries, a, sources.hidden, sources.d0, errors, from_start, state_carry, state_rows,
+                cfg=cfg)
+
+
+def reads_config(h, momentum, low, *, activation, residual, interpret, block_sizes):
+    """The forward kernel's static config for a hidden width h."""
+    bs = MLPReadsGpuBlockSizes() if block_sizes is None else block_sizes
+    hp = next_pow2(h, least=16)
     if bs.block_hidden is None:
         bs = dataclasses.replace(bs, block_hidden=min(hp, 64))
     bs.check(hp)
-    cfg = _Cfg(momentum=starts.m0 is not None, residual=bool(residual), activation=activation,
-               low=queries.dtype == BF16, hidden=hp, block_hidden=bs.block_hidden, num_warps=bs.num_warps,
-               interpret=bool(default_interpret() if interpret is None else interpret))
-    return _run(starts, queries, a, sources.hidden, sources.d0, errors, from_start, state_carry, state_rows,
-                cfg=cfg)
+    return _Cfg(momentum=momentum, residual=bool(residual), activation=activation, low=low, hidden=hp,
+                block_hidden=bs.block_hidden, num_warps=bs.num_warps,
+                interpret=bool(default_interpret() if interpret is None else interpret))

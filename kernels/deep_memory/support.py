@@ -137,7 +137,8 @@ def state_pass_vjp(forward):
 # Layout and padding around a kernel
 
 
-def _pad_to(x, shape):
+def pad_to(x, shape):
+    """x zero-padded at the end of every axis to ``shape``."""
     return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
 
 
@@ -151,7 +152,7 @@ def run_padded(core, cfg, padded, state, a, t, rows, mrows, decay, carry, mcarry
     np_, dp, hp, vp = padded
 
     def flat(x, *tail):
-        return None if x is None else _pad_to(x.reshape((B * H,) + x.shape[2:]), (B * H,) + tail)
+        return None if x is None else pad_to(x.reshape((B * H,) + x.shape[2:]), (B * H,) + tail)
 
     f32 = lambda x: None if x is None else x.astype(F32)
     st = MLPStates(flat(f32(state.w0), dp, hp), flat(f32(state.w1), hp, vp),
