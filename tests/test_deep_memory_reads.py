@@ -83,25 +83,37 @@ def test_reads_kernel_equals_reference(momentum, residual, activation, dtype):
             assert tree_rel(jax.tree.map(lambda x: x.astype(jnp.float32), g), w) <= tol, (name, tree_rel(g, w))
 
 
-@pytest.mark.parametrize("name", ["titans", "residual_window"])
-def test_memory_spec_with_reads_on_the_kernel_equals_the_dual_form(name, monkeypatch):
-    """The reads on the kernel (`mlp_reads`) for float32 inputs too (the route takes it for bf16
+@pytest.mark.parametrize("name,joint", [("titans", True), ("titans", False), ("residual_window", True)])
+def test_memory_spec_with_reads_on_the_kernel_equals_the_dual_form(name, joint, monkeypatch):
+    """The reads on the kernels, with the state pass in one custom VJP (`mlp_state_pass_and_reads`,
+    joint) or after it (`mlp_reads`), forced for float32 inputs too (the route takes them for bf16
     ones), so that the comparison with the dual form in XLA holds at float32 rounding: titans
     (momentum) and a residual MLP with an Omega window of 3 (n = b + 2 sources a chunk), T = 37 in
     chunks of 16."""
     monkeypatch.setattr(dual, "_reads_on_kernel", lambda low_precision, terms: terms.src_scale is None)
+    monkeypatch.setattr(deep_memory, "joint_pass_pays", lambda hidden, sequences_heads: joint)
     calls = []
-    real = reads_module.mlp_reads
-    monkeypatch.setattr(reads_module, "mlp_reads", lambda *a, **k: calls.append(k["impl"]) or real(*a, **k))
+    owner, name_ = (deep_memory, "mlp_state_pass_and_reads") if joint else (reads_module, "mlp_reads")
+    real = getattr(owner, name_)
+    monkeypatch.setattr(owner, name_, lambda *a, **k: calls.append(k["impl"]) or real(*a, **k))
     spec = SPECS[name]()
     args = _spec_inputs(spec, 3)
     with chunked.dual_form():
         o_r, f_r, g_r = _spec_run(spec, "chunk", args)
         o, f, g = _spec_run(spec, "pallas", args)
-    assert calls == ["pallas"], "the reads did not run on the kernel"
+    assert calls == ["pallas"], "the reads did not run on the kernels"
     assert rel(o, o_r) <= TOL and tree_rel(f, f_r) <= TOL
     for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
         assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
+
+
+def test_joint_pass_pays_where_the_backward_tiles_are_full_width(monkeypatch):
+    import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
+
+    monkeypatch.setattr(gpu_kernels, "_multiprocessors", lambda: 132)
+    assert deep_memory.joint_pass_pays(512, 32)        # titans B4 H8: 64-wide backward tiles
+    assert not deep_memory.joint_pass_pays(512, 8)     # B1 H8: 16-wide ones
+    assert deep_memory.joint_pass_pays(32, 8)          # a hidden width below a tile
 
 
 def _joint_outputs_and_grads(impl, dtype=jnp.float32, interpret=True, B=1, H=2, N=3, b=9, n=11, d=8, h=32, dv=8):
@@ -212,15 +224,18 @@ def test_gpu_compiled_reads_kernel_equals_reference(dtype, sizes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("joint", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, monkeypatch):
+def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, joint, monkeypatch):
     """titans (hidden 128 float32, 512 bf16: several tiles a head in both kernels) with its reads on
-    the kernel, float32 forced onto that route (1e-5) and bf16 as impl="pallas" takes it
+    the kernels, with the state pass in one custom VJP (joint) or apart, float32 forced onto that
+    route (1e-5) and bf16 as impl="pallas" takes it
     (against the float32 dual form on the bf16-rounded inputs: 2e-2 outputs and state, 5e-2
     gradients, as test_deep_memory_kernel's bf16 case)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(dual, "_reads_on_kernel", lambda low_precision, terms: terms.src_scale is None)
+    monkeypatch.setattr(deep_memory, "joint_pass_pays", lambda hidden, sequences_heads: joint)
     # float32's split-operand products compile faster at a narrower hidden width (test_deep_memory_kernel)
     spec = presets.get("titans", hidden=128 if dtype == jnp.float32 else None)
     q, k, v, knobs, state = _spec_inputs(spec, 9, B=2, T=300, H=2, K=128, V=128)

@@ -894,20 +894,21 @@ def _split_reads(spec, starts: MemoryState, final: MemoryState, terms: ChunkTerm
 
 
 def _reads_on_kernel(low_precision: bool, terms: ChunkTerms) -> bool:
-    """Whether `dual_batched_kernel` reads on the reads kernel: bf16 inputs on a GPU (float32
-    ones keep XLA's reads, as they keep XLA's state pass under impl="auto"; on a TPU the reads
-    have no kernel), gradients at θ₀."""
+    """Whether `dual_batched_kernel` runs the reads on the GPU kernels, with the state pass in one
+    custom VJP (`ops.deep_memory.mlp_state_pass_and_reads`) or after it (`_kernel_reads`), as
+    `ops.deep_memory.joint_pass_pays` says: bf16 inputs on a GPU (float32 ones keep XLA's reads, as
+    they keep XLA's state pass under impl="auto"; on a TPU the reads have no kernel), gradients at
+    θ₀ (`kernel_gap` has checked the rest: a depth-2 MLP, ℓ2, no chunk-end map)."""
     return low_precision and jax.default_backend() != "tpu" and terms.src_scale is None
 
 
 def _kernel_reads(spec, starts, terms: ChunkTerms, a, sources):
-    """`_split_reads` on the reads kernel (``ops.deep_memory.mlp_reads``, impl "pallas": its
-    forward a kernel, its backward XLA's batched products) from the state pass's starts and
-    sources [B, H, N, ...]. Where `kernel_gap` lets the state-pass kernel run, `chunk_read` needs
-    no more than that op covers (a depth-2 MLP, gradients at θ₀, no chunk-end map); the op forms
-    φ(q)·φ(k_s) as the product of the φ rows, where the form may take it through φ's kernel.
-    titans' layer, bf16 fwd+bwd on an H200, one command each: B4 T4096 H8 D128 20.55 -> 19.87 ms,
-    B1 T16384 24.63 -> 24.28 (`kernels.deep_memory.gpu_reads`)."""
+    """`_split_reads` on the reads' kernel (``ops.deep_memory.mlp_reads``, impl "pallas": a forward
+    kernel, a backward of XLA's batched products) from the state pass's starts and sources
+    [B, H, N, ...], where the pass and the reads run apart (`ops.deep_memory.joint_pass_pays`).
+    The op forms φ(q)·φ(k_s) as the product of the φ rows, where the form may take it through φ's
+    kernel. titans' layer, bf16 fwd+bwd on an H200, one command each against XLA's reads: B4
+    T4096 H8 D128 20.55 -> 19.87 ms, B1 T16384 24.63 -> 24.28 (`kernels.deep_memory.gpu_reads`)."""
     from atlas_jax.ops.deep_memory.reads import mlp_reads
 
     errors = spec.objective.output_grad(sources.y, terms.src_targets, terms.src_delta)
@@ -940,9 +941,12 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
                         low_precision: bool = False):
     """The split dual form for [B, H, S, ...] steps (padded to a multiple of ``chunk_size``) with
     its sequential pass on the state-pass kernel (``ops.deep_memory.mlp_state_pass``, impl
-    "pallas"); ``kernel_gap`` must be None. ``low_precision``: the kernel's dots and the reads'
-    products with θ take bf16 operands (float32 accumulation; `operand_dtype`). Returns (final state [B, H, ...], outputs [B, H, S, d_out])."""
-    from atlas_jax.ops.deep_memory import MLPStates, mlp_state_pass
+    "pallas") and, for bf16 inputs on a GPU, its reads on theirs (`_reads_on_kernel`);
+    ``kernel_gap`` must be None. ``low_precision``: the kernels' dots and the reads' products with
+    θ take bf16 operands (float32 accumulation; `operand_dtype`). Returns (final state
+    [B, H, ...], outputs [B, H, S, d_out])."""
+    from atlas_jax.ops import deep_memory
+    from atlas_jax.ops.deep_memory import MLPStates
 
     opt_info = inner_opt.info(spec.optimizer)
     b = chunk_size
@@ -958,33 +962,42 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
                       None if m is None else m["W1"])
     end = lambda x: None if x is None else x[..., -1]
     a = terms.src_inputs.astype(jnp.bfloat16) if low_precision else terms.src_inputs
-    # The pass also returns every chunk's source pass (H, D, Y), which the reads need: formed once,
-    # in the kernel (whose backward takes their cotangents), instead of again in XLA from the start
-    # states. titans B4 T4096 H8 D128 bf16 fwd+bwd on an H200, alternated in one command: 24.8
-    # against 27.5 ms, peak 6.11 against 6.44-6.65 GiB. (`ops.deep_memory.mlp_state_pass_and_reads`
-    # runs the pass and the kernel reads in one custom VJP: 0.940x the layer's time at B4 T4096,
-    # 1.022x at B1 T16384 on an H200; not routed until its bf16 case is checked on a GPU.)
-    with jax.named_scope(SCOPES["state_pass"]):
-        starts_k, final_k, sources = mlp_state_pass(
-            first, a, terms.src_targets, terms.state_rows[..., -1, :], terms.momentum_rows,
-            terms.from_start[..., -1], end(terms.state_carry), terms.momentum_carry,
-            activation=spec.memory.activation, residual=spec.memory.residual, impl="pallas", sources=True)
+    pass_args = (first, a, terms.src_targets, terms.state_rows[..., -1, :], terms.momentum_rows,
+                 terms.from_start[..., -1], end(terms.state_carry), terms.momentum_carry)
+    memory = dict(activation=spec.memory.activation, residual=spec.memory.residual)
 
     def as_state(k, opt_state) -> MemoryState:
         if momentum:
             opt_state = inner_opt.MomentumState({"W0": k.m0, "W1": k.m1})
         return MemoryState({"W0": k.w0, "W1": k.w1}, opt_state, None, None)
 
-    # Without momentum the optimizer's state does not change: the reads get it per chunk.
-    per_chunk = jax.tree.map(lambda x: jnp.broadcast_to(x[:, :, None], x.shape[:2] + (n_chunks,) + x.shape[2:]),
-                             state.opt_state)
-    starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
-    with jax.named_scope(SCOPES["reads"]):
-        if _reads_on_kernel(low_precision, terms):
-            outputs = _kernel_reads(spec, starts_k, terms, a, sources)
-        else:
-            outputs = vmap2(lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src, operand_dtype(low_precision)))(
-                starts, final, terms, sources)
+    on_kernel = _reads_on_kernel(low_precision, terms)
+    if on_kernel and deep_memory.joint_pass_pays(state.params["W0"].shape[-1], a.shape[0] * a.shape[1]):
+        # The pass and the reads in one custom VJP: the reads' start-state cotangents reach the
+        # pass's backward kernel as their rank-b factors (`ops.deep_memory.mlp_state_pass_and_reads`).
+        with jax.named_scope(SCOPES["state_pass"]):
+            final_k, outputs = deep_memory.mlp_state_pass_and_reads(
+                *pass_args, terms.queries.astype(a.dtype), terms.from_start, terms.state_carry, terms.state_rows,
+                impl="pallas", **memory)
+        final = as_state(final_k, state.opt_state)
+    else:
+        # The pass also returns every chunk's source pass (H, D, Y), which the reads need: formed
+        # once, in the kernel (whose backward takes their cotangents), instead of again in XLA from
+        # the start states. titans B4 T4096 H8 D128 bf16 fwd+bwd on an H200, alternated in one
+        # command: 24.8 against 27.5 ms, peak 6.11 against 6.44-6.65 GiB.
+        with jax.named_scope(SCOPES["state_pass"]):
+            starts_k, final_k, sources = deep_memory.mlp_state_pass(*pass_args, impl="pallas", sources=True,
+                                                                    **memory)
+        # Without momentum the optimizer's state does not change: the reads get it per chunk.
+        per_chunk = jax.tree.map(lambda x: jnp.broadcast_to(x[:, :, None], x.shape[:2] + (n_chunks,) + x.shape[2:]),
+                                 state.opt_state)
+        starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
+        with jax.named_scope(SCOPES["reads"]):
+            if on_kernel:
+                outputs = _kernel_reads(spec, starts_k, terms, a, sources)
+            else:
+                read = lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src, operand_dtype(low_precision))
+                outputs = vmap2(read)(starts, final, terms, sources)
     window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
     outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])
     return final._replace(window=window), outputs

@@ -14,9 +14,11 @@ every size is padded as both kernels pad it (`support.run_padded`, `gpu_reads`).
 Measured on an H200 (2026-11-28, titans' layer, bf16 fwd+bwd, one command each against the two
 ops apart; benchmarks/results/titans_reads_kernel_h200_2026-11-28.md): B4 T4096 H8 D128 19.91 ->
 18.72 ms, B1 T16384 24.22 -> 24.74 (at B1 H8 the backward kernel runs 16-wide tiles in a
-latency-bound chain, where four more products a chunk cost more than the loads they save). Tested
-in interpret mode (one tile a head) against the references; compiled on a GPU, not yet checked
-for values (`tests/test_deep_memory_reads.py`'s gpu cases), so the dual form does not route to it.
+latency-bound chain, where four more products a chunk cost more than the loads they save: the
+dual form takes it where `ops.deep_memory.joint_pass_pays`). Tested in interpret mode (one tile a
+head) against the references, and compiled on the same H200 inside titans' layer in float32
+(hidden 128, eight backward tiles a head) against the dual form at 1e-5; its compiled bf16 case
+was not checked (`tests/test_deep_memory_reads.py`'s gpu cases).
 """
 
 from __future__ import annotations

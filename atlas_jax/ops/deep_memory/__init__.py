@@ -20,9 +20,9 @@ from atlas_jax.ops.deep_memory.state_pass import (
     mlp_state_pass,
     mlp_state_pass_reference,
 )
-from atlas_jax.ops.deep_memory.reads import (mlp_chunk_read, mlp_reads, mlp_reads_reference,
+from atlas_jax.ops.deep_memory.reads import (joint_pass_pays, mlp_chunk_read, mlp_reads, mlp_reads_reference,
                                               mlp_state_pass_and_reads)
 
-__all__ = ["IMPLS", "MLPSources", "MLPStates", "kernel_covers", "mlp_chunk_read",
+__all__ = ["IMPLS", "MLPSources", "MLPStates", "joint_pass_pays", "kernel_covers", "mlp_chunk_read",
            "mlp_chunk_sources", "mlp_chunk_step", "mlp_reads", "mlp_reads_reference", "mlp_sources_from_starts",
            "mlp_state_pass", "mlp_state_pass_and_reads", "mlp_state_pass_reference"]
