@@ -243,11 +243,22 @@ def _core_fwd(cfg, *args):
 _core.defvjp(_core_fwd, _backward)
 
 
+def query_operands(queries, from_start, state_carry, state_rows, n_padded, d_padded):
+    """The queries [B, H, N, b, d] and their coefficients (P, c [.., b], M [.., b, n]) in the
+    kernel's layout: [B·H·N, b', ...], b padded to a power of two >= 16, n and d to the given
+    sizes, the coefficients float32."""
+    P, b = queries.shape[0] * queries.shape[1] * queries.shape[2], queries.shape[3]
+    bp = next_pow2(b, least=16)
+    flat = lambda x, *tail: None if x is None else pad_to(x.reshape((P,) + x.shape[3:]), (P, bp) + tail)
+    f32 = lambda x: None if x is None else x.astype(F32)
+    return flat(queries, d_padded), flat(f32(from_start)), flat(f32(state_carry)), flat(f32(state_rows), n_padded)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _run(starts, queries, a, hidden, d0, errors, from_start, state_carry, state_rows, *, cfg):
     B, H, N, b, d = queries.shape
     n, dv = a.shape[3], starts.w1.shape[-1]
-    bp, np_, dp, vp = (next_pow2(x, least=16) for x in (b, n, d, dv))
+    np_, dp, vp = (next_pow2(x, least=16) for x in (n, d, dv))
     hp, P = cfg.hidden, B * H * N
 
     def flat(x, *tail):
@@ -256,9 +267,9 @@ def _run(starts, queries, a, hidden, d0, errors, from_start, state_carry, state_
     f32 = lambda x: None if x is None else x.astype(F32)
     st = MLPStates(flat(f32(starts.w0), dp, hp), flat(f32(starts.w1), hp, vp), flat(f32(starts.m0), dp, hp),
                    flat(f32(starts.m1), hp, vp))
-    out = _core(cfg, st, flat(queries, bp, dp), flat(a, np_, dp), flat(hidden, np_, hp), flat(d0, np_, hp),
-                flat(f32(errors), np_, vp), flat(f32(from_start), bp), flat(f32(state_carry), bp),
-                flat(f32(state_rows), bp, np_))
+    q, fs, sc, m = query_operands(queries, from_start, state_carry, state_rows, np_, dp)
+    out = _core(cfg, st, q, flat(a, np_, dp), flat(hidden, np_, hp), flat(d0, np_, hp), flat(f32(errors), np_, vp),
+                fs, sc, m)
     return out[:, :b, :dv].reshape(B, H, N, b, dv)
 
 

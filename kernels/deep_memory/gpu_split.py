@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.kernels.deep_memory import gpu, gpu_reads
-from atlas_jax.kernels.deep_memory.support import F32, pad_to
-from atlas_jax.kernels.omega.support import next_pow2
+from atlas_jax.kernels.deep_memory.support import F32, pass_operands, unpad_states
 from atlas_jax.ops.deep_memory.state_pass import MLPSources, MLPStates
 
 __all__ = ["mlp_state_pass_and_reads_gpu"]
@@ -84,25 +83,12 @@ _core.defvjp(lambda cfgs, *args: _forward(cfgs, *args), _core_bwd)
 @functools.partial(jax.jit, static_argnames=("cfgs", "padded"))
 def _run(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, queries, from_start,
          state_carry, state_rows, *, cfgs, padded):
-    B, H, N, n, d = a.shape
+    B, H, N, _, d = a.shape
     b, h, dv = queries.shape[3], state.w0.shape[-1], state.w1.shape[-1]
-    np_, dp, hp, vp = padded
-    bp = next_pow2(b, least=16)
-
-    f32 = lambda x: None if x is None else x.astype(F32)
-    per_head = lambda x, *tail: None if x is None else pad_to(x.reshape((B * H,) + x.shape[2:]), (B * H,) + tail)
-    per_pass = lambda x, *tail: None if x is None else pad_to(x.reshape((B * H, N) + x.shape[3:]), (B * H, N) + tail)
-    per_read = lambda x, *tail: None if x is None else pad_to(x.reshape((B * H * N,) + x.shape[3:]),
-                                                              (B * H * N,) + tail)
-    st = MLPStates(per_head(f32(state.w0), dp, hp), per_head(f32(state.w1), hp, vp),
-                   per_head(f32(state.m0), dp, hp), per_head(f32(state.m1), hp, vp))
-    final, out = _core(cfgs, st, per_pass(a, np_, dp), per_pass(f32(targets), np_, vp), per_pass(f32(rows), np_),
-                       per_pass(f32(momentum_rows), np_), per_pass(f32(decay_end)), per_pass(f32(carry_end)),
-                       per_pass(f32(momentum_carry)), per_read(queries, bp, dp), per_read(f32(from_start), bp),
-                       per_read(f32(state_carry), bp), per_read(f32(state_rows), bp, np_))
-    unflat = lambda x, r, c: None if x is None else x.reshape((B, H) + x.shape[1:])[..., :r, :c]
-    final = MLPStates(unflat(final.w0, d, h), unflat(final.w1, h, dv), unflat(final.m0, d, h), unflat(final.m1, h, dv))
-    return final, out[:, :b, :dv].reshape(B, H, N, b, dv)
+    final, out = _core(cfgs, *pass_operands(padded, state, a, targets, rows, momentum_rows, decay_end, carry_end,
+                                            momentum_carry),
+                       *gpu_reads.query_operands(queries, from_start, state_carry, state_rows, padded[0], padded[1]))
+    return unpad_states(final, B, H, (), d, h, dv), out[:, :b, :dv].reshape(B, H, N, b, dv)
 
 
 def mlp_state_pass_and_reads_gpu(state: MLPStates, a, targets, rows, momentum_rows, decay_end, carry_end,

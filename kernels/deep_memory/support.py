@@ -142,13 +142,11 @@ def pad_to(x, shape):
     return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
 
 
-def run_padded(core, cfg, padded, state, a, t, rows, mrows, decay, carry, mcarry):
-    """`core` (a `state_pass_vjp`) on the op's arguments ([B, H, N, ...], states [B, H, ...]):
-    B·H flattened, per-chunk operands cast to float32 (a keeps its dtype), n, d, h, dv zero-padded
-    to ``padded`` = (n', d', h', dv'); returns (starts [B, H, N, ...], final [B, H, ...]) unpadded,
-    float32; and every chunk's MLPSources [B, H, N, ...] where ``core`` returns them too."""
-    B, H, N, n, d = a.shape
-    h, dv = state.w0.shape[-1], state.w1.shape[-1]
+def pass_operands(padded, state, a, t, rows, mrows, decay, carry, mcarry):
+    """The op's arguments ([B, H, N, ...], states [B, H, ...]) in the kernels' layout: B·H
+    flattened, per-chunk operands cast to float32 (a keeps its dtype), n, d, h, dv zero-padded to
+    ``padded`` = (n', d', h', dv')."""
+    B, H, N = a.shape[:3]
     np_, dp, hp, vp = padded
 
     def flat(x, *tail):
@@ -157,22 +155,32 @@ def run_padded(core, cfg, padded, state, a, t, rows, mrows, decay, carry, mcarry
     f32 = lambda x: None if x is None else x.astype(F32)
     st = MLPStates(flat(f32(state.w0), dp, hp), flat(f32(state.w1), hp, vp),
                    flat(f32(state.m0), dp, hp), flat(f32(state.m1), hp, vp))
-    starts, final, *sources = core(cfg, st, flat(a, N, np_, dp), flat(f32(t), N, np_, vp),
-                                   flat(f32(rows), N, np_), flat(f32(mrows), N, np_), flat(f32(decay), N),
-                                   flat(f32(carry), N), flat(f32(mcarry), N))
+    return (st, flat(a, N, np_, dp), flat(f32(t), N, np_, vp), flat(f32(rows), N, np_), flat(f32(mrows), N, np_),
+            flat(f32(decay), N), flat(f32(carry), N), flat(f32(mcarry), N))
 
-    def unflat(x, lead, rows_, cols):
-        return None if x is None else x.reshape((B, H) + lead + x.shape[-2:])[..., :rows_, :cols]
 
-    def unpad(s, lead):
-        return MLPStates(unflat(s.w0, lead, d, h), unflat(s.w1, lead, h, dv),
-                         unflat(s.m0, lead, d, h), unflat(s.m1, lead, h, dv))
+def _unflat(x, B, H, lead, rows, cols):
+    return None if x is None else x.reshape((B, H) + lead + x.shape[-2:])[..., :rows, :cols]
 
-    out = (unpad(starts, (N,)), unpad(final, ()))
+
+def unpad_states(s: MLPStates, B, H, lead, d, h, dv) -> MLPStates:
+    """Kernel-layout states [B·H, *lead, ...] (padded) as [B, H, *lead, ...] of the op's sizes."""
+    return MLPStates(_unflat(s.w0, B, H, lead, d, h), _unflat(s.w1, B, H, lead, h, dv),
+                     _unflat(s.m0, B, H, lead, d, h), _unflat(s.m1, B, H, lead, h, dv))
+
+
+def run_padded(core, cfg, padded, state, a, t, rows, mrows, decay, carry, mcarry):
+    """`core` (a `state_pass_vjp`) on the op's arguments in the kernels' layout (`pass_operands`);
+    returns (starts [B, H, N, ...], final [B, H, ...]) unpadded, float32; and every chunk's
+    MLPSources [B, H, N, ...] where ``core`` returns them too."""
+    B, H, N, n, d = a.shape
+    h, dv = state.w0.shape[-1], state.w1.shape[-1]
+    starts, final, *sources = core(cfg, *pass_operands(padded, state, a, t, rows, mrows, decay, carry, mcarry))
+    out = (unpad_states(starts, B, H, (N,), d, h, dv), unpad_states(final, B, H, (), d, h, dv))
     if sources:   # a kernel that returns every chunk's MLPSources as well
         (src,) = sources
-        out += (MLPSources(unflat(src.hidden, (N,), n, h), unflat(src.d0, (N,), n, h),
-                           unflat(src.y, (N,), n, dv)),)
+        out += (MLPSources(_unflat(src.hidden, B, H, (N,), n, h), _unflat(src.d0, B, H, (N,), n, h),
+                           _unflat(src.y, B, H, (N,), n, dv)),)
     return out
 
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.memory import ACTIVATIONS
-from atlas_jax.ops.deep_memory.state_pass import MLPSources, MLPStates, check_shapes
+from atlas_jax.ops.deep_memory.state_pass import (MLPSources, MLPStates, check_kernel_activation, check_pass_arguments,
+                                                  check_shapes, mlp_sources_from_starts, mlp_state_pass_reference)
 
 READ_IMPLS = ("chunk", "pallas")
 
@@ -97,10 +98,7 @@ def mlp_reads(starts: MLPStates, queries, a, sources: MLPSources, errors, from_s
     if impl == "chunk":
         return mlp_reads_reference(starts, queries, a, sources, errors, from_start, state_carry, state_rows,
                                    activation=activation, residual=residual)
-    from atlas_jax.ops.deep_memory.state_pass import KERNEL_ACTIVATIONS
-    if activation not in KERNEL_ACTIVATIONS:
-        raise NotImplementedError(f"mlp_reads: impl='pallas' evaluates the activations {KERNEL_ACTIVATIONS}; got "
-                                  f"{activation!r}. Use impl='chunk'.")
+    check_kernel_activation("mlp_reads", activation)
     from atlas_jax.kernels.deep_memory.gpu_reads import mlp_reads_gpu
     return mlp_reads_gpu(starts, queries, a, sources, errors, from_start, state_carry, state_rows,
                          activation=activation, residual=residual, interpret=interpret, block_sizes=block_sizes)
@@ -118,14 +116,12 @@ def mlp_state_pass_and_reads(state: MLPStates, a, targets, rows, momentum_rows, 
     backward hands the reads' start-state cotangents to the state pass's backward kernel as their
     factors (`atlas_jax.kernels.deep_memory.gpu_split`); block_sizes / read_block_sizes go to the
     state pass's and the reads' kernels. The dual form routes to it where `joint_pass_pays`."""
-    from atlas_jax.ops.deep_memory import state_pass
-
     if impl not in READ_IMPLS:
         raise ValueError(f"mlp_state_pass_and_reads: argument `impl` must be one of {READ_IMPLS}; got {impl!r}.")
     if decay_end is None:
         decay_end = jnp.ones(a.shape[:3], jnp.float32)
-    state_pass._check(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, activation,
-                      residual)
+    check_pass_arguments(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, activation,
+                         residual)
     N, n, h = a.shape[2], a.shape[3], state.w0.shape[-1]
     shaped = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     per_chunk = MLPStates(*(None if x is None else shaped(x.shape[:2] + (N,) + x.shape[2:]) for x in state))
@@ -133,17 +129,15 @@ def mlp_state_pass_and_reads(state: MLPStates, a, targets, rows, momentum_rows, 
     _check(per_chunk, queries, a, MLPSources(hidden, hidden, None), targets, from_start, state_carry, state_rows,
            activation, residual)
     if impl == "pallas":
-        if activation not in state_pass.KERNEL_ACTIVATIONS:
-            raise NotImplementedError(f"mlp_state_pass_and_reads: impl='pallas' evaluates the activations "
-                                      f"{state_pass.KERNEL_ACTIVATIONS}; got {activation!r}. Use impl='chunk'.")
+        check_kernel_activation("mlp_state_pass_and_reads", activation)
         from atlas_jax.kernels.deep_memory.gpu_split import mlp_state_pass_and_reads_gpu
         return mlp_state_pass_and_reads_gpu(state, a, targets, rows, momentum_rows, decay_end, carry_end,
                                             momentum_carry, queries, from_start, state_carry, state_rows,
                                             activation=activation, residual=residual, interpret=interpret,
                                             block_sizes=block_sizes, read_block_sizes=read_block_sizes)
-    starts, final = state_pass.mlp_state_pass_reference(state, a, targets, rows, momentum_rows, decay_end, carry_end,
+    starts, final = mlp_state_pass_reference(state, a, targets, rows, momentum_rows, decay_end, carry_end,
                                                         momentum_carry, activation=activation, residual=residual)
-    sources = state_pass.mlp_sources_from_starts(starts, a, targets, activation=activation, residual=residual)
+    sources = mlp_sources_from_starts(starts, a, targets, activation=activation, residual=residual)
     errors = sources.y - targets.astype(jnp.float32)
     return final, mlp_reads_reference(starts, queries, a, sources, errors, from_start, state_carry, state_rows,
                                       activation=activation, residual=residual)

@@ -80,7 +80,7 @@ def mlp_chunk_step(state: MLPStates, a, targets, rows, momentum_rows, decay_end,
     return MLPStates(w0, w1, m0, m1)
 
 
-def _check(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
+def check_pass_arguments(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry,
            activation, residual):
     fn = "mlp_state_pass"
     if activation not in ACTIVATIONS:
@@ -104,6 +104,13 @@ def _check(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentu
         raise ValueError(f"{fn}: without momentum (state.m0 None) pass state.m1, momentum_rows, "
                          "carry_end and momentum_carry as None too.")
     check_shapes(fn, expect, "from a = [B, H, N, n, d] and state.w0 = [B, H, d, h]", residual, d, dv)
+
+
+def check_kernel_activation(fn, activation):
+    """NotImplementedError unless the kernels evaluate ``activation`` (impl="pallas")."""
+    if activation not in KERNEL_ACTIVATIONS:
+        raise NotImplementedError(f"{fn}: impl='pallas' evaluates the activations {KERNEL_ACTIVATIONS}; got "
+                                  f"{activation!r}. Use impl='chunk'.")
 
 
 def check_shapes(fn, expect, origin, residual, d, dv):
@@ -171,15 +178,13 @@ def mlp_state_pass(state: MLPStates, a, targets, rows, momentum_rows=None, decay
                          f"{kernel!r}.")
     if decay_end is None:
         decay_end = jnp.ones(a.shape[:3], jnp.float32)
-    _check(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, activation,
-           residual)
+    check_pass_arguments(state, a, targets, rows, momentum_rows, decay_end, carry_end, momentum_carry, activation,
+                         residual)
     if impl == "chunk":
         out = mlp_state_pass_reference(state, a, targets, rows, momentum_rows, decay_end, carry_end,
                                        momentum_carry, activation=activation, residual=residual)
     else:
-        if activation not in KERNEL_ACTIVATIONS:
-            raise NotImplementedError(f"mlp_state_pass: impl='pallas' evaluates the activations "
-                                      f"{KERNEL_ACTIVATIONS}; got {activation!r}. Use impl='chunk'.")
+        check_kernel_activation("mlp_state_pass", activation)
         if kernel is None:
             kernel = "tpu" if jax.default_backend() == "tpu" else "gpu"
         extra = {"sources": True} if sources and kernel == "gpu" else {}
