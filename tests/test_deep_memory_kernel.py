@@ -17,8 +17,10 @@ mode (the TPU kernel):
 
 Tolerance: 1e-5 relative (‖a − b‖ / ‖b‖) in float32: both sides are float32 with the same order
 of operations up to the GPU kernel's split-operand dots and its erf (|error| < 1.5e-7), the TPU
-kernel's HIGHEST-precision dots and lax.erf; seen: 1e-7 to 5e-7. bf16 operands: 2e-2 (bf16
-rounding of the sources and the weights in every dot).
+kernel's HIGHEST-precision dots and lax.erf; seen: 1e-7 to 5e-7. bf16 operands: 2e-2 against
+float32 (bf16 rounding of the sources and the weights in every dot), and whole layers within 1e-2
+of the core's chunked form on the same bf16 inputs (issue 21's bar: both take bf16 operands and
+round at different places).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from atlas_jax.features import Identity
 from atlas_jax.forms import chunked
 from atlas_jax.kernels.deep_memory import MLPGpuBlockSizes, MLPTpuBlockSizes
 from atlas_jax.memory import MLPMemory
+from atlas_jax.ops import deep_memory
 from atlas_jax.ops.deep_memory import MLPStates, mlp_state_pass
 from atlas_jax.spec import MemorySpec
 
@@ -206,19 +209,32 @@ def test_memory_spec_on_the_kernel_equals_the_dual_form(name):
         assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
 
 
-def test_memory_spec_on_the_kernel_with_bf16_inputs():
-    """bf16 q, k, v through the kernel (what impl="auto" runs on a GPU: bf16 dots, the reads' H and
-    D from the kernel in bf16) against the dual form in float32 on the same bf16-rounded values:
-    outputs and final state at 2e-2, every gradient at 5e-2 (bf16 rounding in every dot)."""
-    spec = SPECS["titans"]()
-    q, k, v, knobs, state = _spec_inputs(spec, 15, T=33)
+@pytest.mark.parametrize("name,seed,T,joint", [("titans", 15, 33, True), ("titans", 15, 33, False),
+                                               ("residual_window", 3, 37, False)])
+def test_memory_spec_on_the_kernel_with_bf16_inputs(name, seed, T, joint, monkeypatch):
+    """bf16 q, k, v through the kernels (what impl="auto" runs on a GPU: bf16 dots, the reads' H and
+    D from the kernel in bf16, the reads on theirs) against the core's chunked form on the same
+    bf16 inputs (the dual form in XLA, its products with θ on bf16 operands too): outputs, final
+    state and every gradient within 1e-2 (issue 21's bf16 bar; seen ≤ 2.5e-3 outputs, 0 states,
+    ≤ 6.8e-3 gradients: the two round at different places). And against the float32 dual form on
+    the bf16-rounded values: outputs and final state at 2e-2, gradients at 5e-2 (what bf16
+    rounding in every dot costs either form; seen ≤ 4.5e-3 / 1.3e-2). ``joint``: the state pass and
+    the reads in one custom VJP (`ops.deep_memory.mlp_state_pass_and_reads`, the route at B4 H8 on a
+    GPU), else apart (the route at these sizes)."""
+    monkeypatch.setattr(deep_memory, "joint_pass_pays", lambda hidden, sequences_heads: joint)
+    spec = SPECS[name]()
+    q, k, v, knobs, state = _spec_inputs(spec, seed, T=T)
     low = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+    as_f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
     with chunked.dual_form():
         o_r, f_r, g_r = _spec_run(spec, "chunk", tuple(x.astype(jnp.float32) for x in low) + (knobs, state))
+        o_c, f_c, g_c = _spec_run(spec, "chunk", low + (knobs, state))
         o, f, g = _spec_run(spec, "pallas", low + (knobs, state))
+    assert rel(o.astype(jnp.float32), o_c.astype(jnp.float32)) <= 1e-2 and tree_rel(f, f_c) <= 1e-2
     assert rel(o.astype(jnp.float32), o_r) <= 2e-2 and tree_rel(f, f_r) <= 2e-2
-    for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
-        a = jax.tree.map(lambda x: x.astype(jnp.float32), a)
+    for label, a, b, c in zip(("q", "k", "v", "knobs", "theta0"), g, g_r, g_c):
+        a, c = as_f32(a), as_f32(c)
+        assert tree_rel(a, c) <= 1e-2, (label, tree_rel(a, c))
         assert tree_rel(a, b) <= 5e-2, (label, tree_rel(a, b))
 
 
