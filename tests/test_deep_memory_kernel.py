@@ -111,6 +111,39 @@ def test_kernel_returns_the_source_pass(kernel, backward, dtype, momentum, resid
         assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
 
 
+@pytest.mark.parametrize("dtype,residual,sources", [(jnp.float32, False, True), (jnp.float32, True, False),
+                                                    (jnp.bfloat16, False, True)])
+def test_paired_products_equal_reference(dtype, residual, sources):
+    """pair_products=True (the backward kernel keeps X and M side by side and takes the products that
+    share an operand as one; what 16-wide tiles take on a GPU), forced at interpret mode's one tile
+    a head: states, the source pass and every gradient against the XLA reference (the initial
+    state's cotangent and the decay's and momentum's come back through the paired buffers)."""
+    args = _operands(17, momentum=True, N=4, dtype=dtype)
+    ref_args = (args[0], args[1].astype(jnp.float32)) + args[2:]
+    run = functools.partial(mlp_state_pass, block_sizes=MLPGpuBlockSizes(pair_products=True))
+    want = _states_and_grads("chunk", ref_args, activation="gelu", residual=residual, sources=sources)
+    got = _states_and_grads("pallas", args, activation="gelu", residual=residual, kernel="gpu", run=run,
+                            sources=sources)
+    tol = TOL if dtype == jnp.float32 else 2e-2
+    assert tree_rel(got[0], want[0]) <= tol
+    for index, (g, g_r) in enumerate(zip(got[1], want[1])):
+        assert tree_rel(g, g_r) <= (tol if dtype == jnp.float32 else 5e-2), (index, tree_rel(g, g_r))
+
+
+def test_pairs_keep_tile_j_side_by_side():
+    """The paired layout (`_pairs`, `_unpairs`): tile j's X then its M along W0's columns / W1's
+    rows, and back."""
+    from atlas_jax.kernels.deep_memory.gpu import _pairs, _unpairs
+    x = jnp.arange(2 * 3 * 8, dtype=jnp.float32).reshape(2, 3, 8)
+    paired = _pairs(x, -x, 2, -1)
+    assert paired[0, 0].tolist() == [0, 1, 2, 3, -0, -1, -2, -3, 4, 5, 6, 7, -4, -5, -6, -7]
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(_unpairs(paired, 2, -1), (x, -x)))
+    rows = jnp.swapaxes(x, 1, 2)
+    paired = _pairs(rows, -rows, 4, -2)
+    assert paired[0, :, 0].tolist() == [0, 1, -0, -1, 2, 3, -2, -3, 4, 5, -4, -5, 6, 7, -6, -7]
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(_unpairs(paired, 4, -2), (rows, -rows)))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_bf16_sources(kernel):
     args = _operands(2, momentum=True, dtype=jnp.bfloat16)
@@ -166,6 +199,9 @@ def test_tiles_and_warps_follow_the_grid(monkeypatch):
     assert tiles(MLPGpuBlockSizes().resolve(16, False, 8)) == (16, 8, 16, 8)        # h below a tile
     interpret = MLPGpuBlockSizes().resolve(512, True, 8)
     assert (interpret.block_hidden, interpret.block_hidden_bwd) == (512, 512)        # interpret: one tile
+    # paired products where the backward's tiles are 16 wide (B1 H8), not at 64 (B4 H8)
+    assert resolved(8).pair_products and not resolved(32).pair_products and not interpret.pair_products
+    assert not resolved(8, pair_products=False).pair_products and resolved(32, pair_products=True).pair_products
 
 
 def _window_spec():
@@ -280,6 +316,8 @@ def test_routing_and_errors():
         mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(num_warps_fwd=3))
     with pytest.raises(ValueError, match="backward"):
         mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(backward="fast"))
+    with pytest.raises(ValueError, match=r"`block_sizes.pair_products` must be True, False or None"):
+        mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(pair_products="yes"))
     # interpret mode: one hidden tile per head (h = 32 here), else a barrier could never be met
     with pytest.raises(ValueError, match="interpret mode"):
         mlp_state_pass(*args, impl="pallas", kernel="gpu", block_sizes=MLPGpuBlockSizes(block_hidden=16))
@@ -340,7 +378,8 @@ def test_kernel_lowers_to_mosaic_for_tpu(dtype, momentum, sizes):
 
 # ---- compiled on a GPU ----------------------------------------------------------------------
 # the tiles and warps `MLPGpuBlockSizes` resolves to at B·H 6 (where twice the 64-wide programs fit
-# the GPU), 64-wide tiles, and what it resolves to at B4 H8 (forward 32 wide on 4 warps, backward 64)
+# the GPU: 16-wide backward tiles, with momentum paired products), 64-wide tiles, and what it
+# resolves to at B4 H8 (forward 32 wide on 4 warps, backward 64)
 TILES = {"auto_tiles": {}, "tiles64": {"block_hidden": 64, "block_hidden_bwd": 64},
          "tiles_b4": {"block_hidden": 32, "num_warps_fwd": 4, "block_hidden_bwd": 64, "num_warps_bwd": 4}}
 

@@ -68,6 +68,17 @@ commands. float32 sources with TF32 dots: forward level with
 XLA (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
 inputs only.
 
+Paired products (``pair_products``, with momentum): the backward keeps each tile's X and M side by
+side (W0's columns, W1's rows: `_half`), so that the products of the chunk's rows with both are
+one product over the pair — a [X0 | M0], E [X1 | M1]ᵀ, [r ⊙ H | ρ ⊙ H] [X1; M1] and
+[r ⊙ D | ρ ⊙ D] [X0 | M0]ᵀ — 12 products a chunk instead of 16. Where the tiles are 16 wide (B1 H8:
+256 programs of few values each) the chain's count of products sets its time, and titans' layer
+at B1 T16384 takes 21.84 against 24.53 ms; at B4 (64-wide tiles on 4 warps) the wider values
+spill, 23.00 against 18.93 (H200, one command each, 2026-11-28), so by default only 16-wide tiles
+pair. The kept cotangents are then a buffer of their own rather than written over the start
+states' cotangents: one more [B·H, N, θ + momentum] float32 buffer on the route that loads those
+(2 GiB at B1 T16384 H8).
+
 Interpret mode runs programs one after another, so a barrier between programs can never be met
 there: in interpret mode the kernel runs with one tile per head (block_hidden = h), the same
 code with the barrier trivially met; the cross-tile sums are checked on a GPU.
@@ -118,13 +129,17 @@ class MLPGpuBlockSizes:
     per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
     (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
     backward kernel; the default) or "xla" (the reverse pass in XLA from the kept start states,
-    `support.state_pass_vjp`)."""
+    `support.state_pass_vjp`). pair_products: with momentum, the backward kernel keeps each
+    tile's θ and momentum cotangents side by side and takes every two products that share an
+    operand as one (a X0 and a M0, E X1ᵀ and E M1ᵀ, ...: 16 products a chunk become 12); None:
+    where its tiles are 16 wide (module docstring)."""
     block_hidden: int | None = None
     block_hidden_bwd: int | None = None
     num_warps_fwd: int | None = None
     num_warps_bwd: int | None = None
     dots: str = "exact"
     backward: str = "kernel"
+    pair_products: bool | None = None
 
     def resolve(self, h, interpret, sequences_heads):
         # Narrower backward tiles (fewer values a thread, fewer spills, more programs at once) where
@@ -143,9 +158,12 @@ class MLPGpuBlockSizes:
                 return given
             return 8 if (h // tile) * sequences_heads <= _multiprocessors() else 4
 
+        pairs = self.pair_products
+        if pairs is None:   # pays where the chain's count of products sets its time, not its registers
+            pairs = is_int(bwd) and bwd <= 16
         return dataclasses.replace(self, block_hidden=fwd, block_hidden_bwd=bwd,
                                    num_warps_fwd=warps(self.num_warps_fwd, fwd),
-                                   num_warps_bwd=warps(self.num_warps_bwd, bwd))
+                                   num_warps_bwd=warps(self.num_warps_bwd, bwd), pair_products=pairs)
 
     def check(self, h, interpret):
         for name in ("block_hidden", "block_hidden_bwd"):
@@ -163,6 +181,9 @@ class MLPGpuBlockSizes:
                              f"{self.backward!r}.")
         if self.dots not in DOTS:
             raise ValueError(f"{_FN}: argument `block_sizes.dots` must be one of {DOTS}; got {self.dots!r}.")
+        if not isinstance(self.pair_products, bool):
+            raise ValueError(f"{_FN}: argument `block_sizes.pair_products` must be True, False or None; got "
+                             f"{self.pair_products!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +196,7 @@ class _Cfg(support.PassCfg):
     block_hidden_bwd: int
     sources: bool = False    # the forward also returns every chunk's H, D and Y (state_pass.MLPSources)
     factors: bool = False    # the backward takes the start states' cotangents as `StartFactors`
+    pairs: bool = False      # with momentum, the backward keeps X and M side by side (`_half`)
 
     @property
     def tiles(self):
@@ -393,6 +415,14 @@ def _bwd_kernel(r, cfg: _Cfg):
     # decay's and momentum coefficients' cotangents <X, θ>, <X, m>, <M, m> are one XLA pass over
     # them and the kept start states, not six tile products and reductions per chunk here.
 
+    pairs, bt = cfg.pairs and cfg.momentum, cfg.block_hidden
+
+    def halves(v):   # a product's [n, 2·bt] result over a pair -> its X and M halves
+        return jnp.unstack(jnp.transpose(v.reshape(v.shape[0], 2, bt), (0, 2, 1)), axis=-1)
+
+    def side_by_side(u, w):   # [n, bt], [n, bt] -> [n, 2·bt]
+        return jnp.transpose(jnp.stack([u, w], axis=-1), (0, 2, 1)).reshape(u.shape[0], 2 * bt)
+
     def chunk(k, stuck, last):
         i = N - 1 - k
         # Tiles are loaded where they are used, again where used again (the forward kernel's note):
@@ -400,7 +430,16 @@ def _bwd_kernel(r, cfg: _Cfg):
         # for the last chunk, else from g_[i + 1] (this program's own writes of the chunk before,
         # behind the CTA barrier).
         st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
-        if last:
+        if pairs:
+            # tile j's X0 and M0 columns side by side in one buffer (X1 and M1 rows), so that the
+            # products that take both (a X0 and a M0, ...) are one product over the pair
+            at = (bh,) if last else (bh, i + 1)
+            src = {"0": r["df_x0" if last else "g_x0"], "1": r["df_x1" if last else "g_x1"]}
+            pair = pl.ds(pl.multiple_of(2 * j * bt, 2 * bt), 2 * bt)
+            block = {"0": lambda: load_f32(src["0"], at + (all_, pair)),
+                     "1": lambda: load_f32(src["1"], at + (pair, all_))}
+            x = lambda name: load_f32(src[name[1]], at + _tile_index(name, _half(j, bt, name)))
+        elif last:
             x = lambda name: load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
         else:
             x = lambda name: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols))
@@ -411,20 +450,31 @@ def _bwd_kernel(r, cfg: _Cfg):
         hidden, slope, curve = act_grad2(cfg.activation, mm_(a, st("w0")))
         g = mm_nt_(e, st("w1"))                                # E W1ᵀ [n, bt]
         d0, g_curve = g * slope, g * curve
-        ax0 = mm_(a, operand(x("w0")))
-        # rowsum(E ⊙ H X1) = rowsum(H ⊙ E X1ᵀ): r̂'s two terms in one [n, bt] reduction, and
-        # E X1ᵀ is Ĥ's term anyway
-        ex1 = mm_nt_(e, operand(x("w1")))                      # E X1ᵀ [n, bt]
-        big_a, h_hat = rows * ax0, rows * ex1
-        r["drows"][bh, i, j, :] = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
-        e_share = rows * mm_(operand(hidden), operand(x("w1")))   # [n, dv]
-        if cfg.momentum:
+        if pairs:
+            ax0, axm = halves(mm_(a, operand(block["0"]())))     # a X0, a M0 [n, bt]
+            ex1, em1 = halves(mm_nt_(e, operand(block["1"]())))  # E X1ᵀ, E M1ᵀ [n, bt]
+            big_a, h_hat = rows * ax0, rows * ex1
+            r["drows"][bh, i, j, :] = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
             mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
-            axm = mm_(a, operand(x("m0")))
-            em1 = mm_nt_(e, operand(x("m1")))
             big_a, h_hat = big_a + mrows * axm, h_hat + mrows * em1
             r["dmrows"][bh, i, j, :] = jnp.sum(d0 * axm + hidden * em1, axis=1)
-            e_share = e_share + mrows * mm_(operand(hidden), operand(x("m1")))
+            # (r ⊙ H) X1 + (ρ ⊙ H) M1 as one product
+            e_share = mm_(operand(side_by_side(rows * hidden, mrows * hidden)), operand(block["1"]()))
+        else:
+            ax0 = mm_(a, operand(x("w0")))
+            # rowsum(E ⊙ H X1) = rowsum(H ⊙ E X1ᵀ): r̂'s two terms in one [n, bt] reduction, and
+            # E X1ᵀ is Ĥ's term anyway
+            ex1 = mm_nt_(e, operand(x("w1")))                      # E X1ᵀ [n, bt]
+            big_a, h_hat = rows * ax0, rows * ex1
+            r["drows"][bh, i, j, :] = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
+            e_share = rows * mm_(operand(hidden), operand(x("w1")))   # [n, dv]
+            if cfg.momentum:
+                mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
+                axm = mm_(a, operand(x("m0")))
+                em1 = mm_nt_(e, operand(x("m1")))
+                big_a, h_hat = big_a + mrows * axm, h_hat + mrows * em1
+                r["dmrows"][bh, i, j, :] = jnp.sum(d0 * axm + hidden * em1, axis=1)
+                e_share = e_share + mrows * mm_(operand(hidden), operand(x("m1")))
         if cfg.sources:   # what the returned H and D of this chunk receive
             big_a = big_a + load_f32(r["c_d0"], (bh, i, all_, cols))
             h_hat = h_hat + load_f32(r["c_hidden"], (bh, i, all_, cols))
@@ -444,9 +494,13 @@ def _bwd_kernel(r, cfg: _Cfg):
         e_hat = operand(e_hat)
         z_hat = (h_hat + mm_nt_(e_hat, st("w1"))) * slope + big_a * g_curve
 
-        da = mm_nt_(operand(rows * d0), operand(x("w0"))) + mm_nt_(operand(z_hat), st("w0"))
-        if cfg.momentum:
-            da = da + mm_nt_(operand(mrows * d0), operand(x("m0")))
+        if pairs:   # (r ⊙ D) X0ᵀ + (ρ ⊙ D) M0ᵀ as one product
+            da = mm_nt_(operand(z_hat), st("w0"))
+            da = da + mm_nt_(operand(side_by_side(rows * d0, mrows * d0)), operand(block["0"]()))
+        else:
+            da = mm_nt_(operand(rows * d0), operand(x("w0"))) + mm_nt_(operand(z_hat), st("w0"))
+            if cfg.momentum:
+                da = da + mm_nt_(operand(mrows * d0), operand(x("m0")))
         if cfg.residual:
             da = da + (1 - jnp.minimum(j, 1)).astype(F32) * e_res   # tile 0 adds it
         r["da"][bh, i, j, :, :] = da.astype(r["da"].dtype)
@@ -465,7 +519,11 @@ def _bwd_kernel(r, cfg: _Cfg):
                 new[m] = carry * x_w + mcarry * x(m)
             for name, value in new.items():
                 idx = (bh, i) + _tile_index(name, cols)
-                r["g_" + name][idx] = value + _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_)
+                value = value + _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_)
+                if pairs:
+                    r["g_x" + layer][(bh, i) + _tile_index(name, _half(j, bt, name))] = value
+                else:
+                    r["g_" + name][idx] = value
         _cta_barrier(cfg)
         return stuck
 
@@ -485,6 +543,30 @@ class StartFactors(NamedTuple):
     h_w: jax.Array
     u1: jax.Array
     v1: Any
+
+
+def _half(j, bt, name):
+    """Where tile j of X (name "w0" / "w1") or of M ("m0" / "m1") lies in the backward's buffers
+    that keep the two side by side: columns of W0's, rows of W1's [.., tiles · 2 · bt]."""
+    return pl.ds(pl.multiple_of(2 * j * bt, 2 * bt) + (bt if name[0] == "m" else 0), bt)
+
+
+def _pairs(x, m, tiles, axis):
+    """X and M [BH, ..., h, ...] -> [BH, ..., 2h, ...] with tile j's X then M along ``axis`` (W0's
+    columns: -1, W1's rows: -2), the layout of `_half`."""
+    shape = x.shape
+    split = lambda v: v.reshape(shape[:axis % v.ndim] + (tiles, shape[axis] // tiles) + shape[axis % v.ndim + 1:])
+    both = jnp.stack([split(x), split(m)], axis=axis % x.ndim + 1)
+    return both.reshape(shape[:axis % x.ndim] + (2 * shape[axis],) + shape[axis % x.ndim + 1:])
+
+
+def _unpairs(v, tiles, axis):
+    """`_pairs`' inverse: (X, M)."""
+    shape = v.shape
+    ax = axis % v.ndim
+    both = v.reshape(shape[:ax] + (tiles, 2, shape[ax] // (2 * tiles)) + shape[ax + 1:])
+    pick = lambda k: jnp.take(both, k, axis=ax + 1).reshape(shape[:ax] + (shape[ax] // 2,) + shape[ax + 1:])
+    return pick(0), pick(1)
 
 
 def _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_):
@@ -509,15 +591,23 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         ins.update(mrows=mrows, carry=carry, mcarry=mcarry)
     if cfg.sources:
         ins.update(c_hidden=d_sources.hidden, c_d0=d_sources.d0, c_y=d_sources.y)
+    pairs = cfg.pairs and cfg.momentum
     for i, key in enumerate(keys):
-        ins["s_" + key], ins["df_" + key] = starts[i], d_final[i]
+        ins["s_" + key] = starts[i]
+        if not pairs:
+            ins["df_" + key] = d_final[i]
         if not cfg.factors:
             ins["ds_" + key] = d_starts[i]
+    if pairs:   # tile j's X and M side by side: columns of W0's, rows of W1's (`_half`)
+        ins["df_x0"] = _pairs(d_final.w0, d_final.m0, tiles, -1)
+        ins["df_x1"] = _pairs(d_final.w1, d_final.m1, tiles, -2)
     if cfg.factors:   # d_starts is a StartFactors
         ins.update({"f_" + k: v for k, v in d_starts._asdict().items() if v is not None})
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
     shapes = {"w0": (d, h), "w1": (h, dv), "m0": (d, h), "m1": (h, dv)}
-    outs = {**{"g_" + k: sds(BH, N, *shapes[k]) for k in keys},
+    kept_shapes = ({"g_x0": (d, 2 * h), "g_x1": (2 * h, dv)} if pairs
+                   else {"g_" + k: shapes[k] for k in keys})
+    outs = {**{k: sds(BH, N, *s) for k, s in kept_shapes.items()},
             # â per tile in the sources' dtype: its sum is returned in that dtype anyway
             "da": jax.ShapeDtypeStruct((BH, N, tiles, n, d), a.dtype), "dt": sds(BH, N, n, dv),
             "drows": sds(BH, N, tiles, n)}
@@ -529,8 +619,9 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
     def kernel(*refs):
         _bwd_kernel(dict(zip(in_names + out_names, refs)), cfg)
 
-    # g_ is written over ds_ (no second [B·H, N, ...] buffer per state)
-    aliases = {} if cfg.factors else {list(ins).index("ds_" + k): out_names.index("g_" + k) for k in keys}
+    # g_ is written over ds_ (no second [B·H, N, ...] buffer per state), unless paired
+    aliases = ({} if cfg.factors or pairs else
+               {list(ins).index("ds_" + k): out_names.index("g_" + k) for k in keys})
     res = pl.pallas_call(
         kernel, grid=(tiles, BH), out_shape=list(outs.values()),
         input_output_aliases={**aliases, len(ins): out_names.index("count")},
@@ -538,7 +629,11 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         interpret=cfg.interpret, name="mlp_state_pass_gpu_bwd",
     )(*ins.values(), jnp.zeros((BH,), jnp.int32))
     res = dict(zip(out_names, res))
-    kept = MLPStates(*(res.get("g_" + k) for k in ("w0", "w1", "m0", "m1")))    # [BH, N, ...]
+    if pairs:
+        (x0, m0), (x1, m1) = _unpairs(res["g_x0"], tiles, -1), _unpairs(res["g_x1"], tiles, -2)
+        kept = MLPStates(x0, x1, m0, m1)
+    else:
+        kept = MLPStates(*(res.get("g_" + k) for k in ("w0", "w1", "m0", "m1")))    # [BH, N, ...]
     d_first = MLPStates(*(None if g is None else g[:, 0] for g in kept))
 
     def dot(name, state):
@@ -616,6 +711,7 @@ def pass_config(state: MLPStates, a, targets, *, activation, residual, interpret
     cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
                dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd,
-               sources=bool(sources) and bs.backward == "kernel", factors=factors)
+               sources=bool(sources) and bs.backward == "kernel", factors=factors,
+               pairs=bs.pair_products)
     padded = tuple(next_pow2(x, least=16) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     return cfg, padded, bs.backward
