@@ -250,8 +250,6 @@ def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, joint,
     tol, grad_tol = (TOL, TOL) if dtype == jnp.float32 else (2e-2, 5e-2)
     assert rel(o.astype(jnp.float32), o_r) <= tol and tree_rel(f, f_r) <= tol
     if dtype == jnp.bfloat16:
-        print("bf16 against the bf16 chunked form: outputs", rel(o.astype(jnp.float32), o_c.astype(jnp.float32)),
-              "state", tree_rel(f, f_c), "gradients", [tree_rel(as_f32(a), as_f32(c)) for a, c in zip(g, g_c)])
         assert rel(o.astype(jnp.float32), o_c.astype(jnp.float32)) <= 1e-2 and tree_rel(f, f_c) <= 1e-2
         for label, a, c in zip(("q", "k", "v", "knobs", "theta0"), g, g_c):
             assert tree_rel(as_f32(a), as_f32(c)) <= 1e-2, (label, tree_rel(as_f32(a), as_f32(c)))
