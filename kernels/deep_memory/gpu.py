@@ -196,7 +196,7 @@ class _Cfg(support.PassCfg):
     block_hidden_bwd: int
     sources: bool = False    # the forward also returns every chunk's H, D and Y (state_pass.MLPSources)
     factors: bool = False    # the backward takes the start states' cotangents as `StartFactors`
-    pairs: bool = False      # with momentum, the backward keeps X and M side by side (`_half`)
+    pairs: bool = False      # the backward keeps X and M side by side (`_half`; momentum only)
 
     @property
     def tiles(self):
@@ -415,7 +415,7 @@ def _bwd_kernel(r, cfg: _Cfg):
     # decay's and momentum coefficients' cotangents <X, θ>, <X, m>, <M, m> are one XLA pass over
     # them and the kept start states, not six tile products and reductions per chunk here.
 
-    pairs, bt = cfg.pairs and cfg.momentum, cfg.block_hidden
+    pairs, bt = cfg.pairs, cfg.block_hidden
 
     def halves(v):   # a product's [n, 2·bt] result over a pair -> its X and M halves
         return jnp.unstack(jnp.transpose(v.reshape(v.shape[0], 2, bt), (0, 2, 1)), axis=-1)
@@ -554,19 +554,18 @@ def _half(j, bt, name):
 def _pairs(x, m, tiles, axis):
     """X and M [BH, ..., h, ...] -> [BH, ..., 2h, ...] with tile j's X then M along ``axis`` (W0's
     columns: -1, W1's rows: -2), the layout of `_half`."""
-    shape = x.shape
-    split = lambda v: v.reshape(shape[:axis % v.ndim] + (tiles, shape[axis] // tiles) + shape[axis % v.ndim + 1:])
-    both = jnp.stack([split(x), split(m)], axis=axis % x.ndim + 1)
-    return both.reshape(shape[:axis % x.ndim] + (2 * shape[axis],) + shape[axis % x.ndim + 1:])
+    ax, shape = axis % x.ndim, x.shape
+    tiled = lambda v: v.reshape(shape[:ax] + (tiles, shape[ax] // tiles) + shape[ax + 1:])
+    both = jnp.stack([tiled(x), tiled(m)], axis=ax + 1)
+    return both.reshape(shape[:ax] + (2 * shape[ax],) + shape[ax + 1:])
 
 
 def _unpairs(v, tiles, axis):
     """`_pairs`' inverse: (X, M)."""
-    shape = v.shape
-    ax = axis % v.ndim
+    ax, shape = axis % v.ndim, v.shape
     both = v.reshape(shape[:ax] + (tiles, 2, shape[ax] // (2 * tiles)) + shape[ax + 1:])
-    pick = lambda k: jnp.take(both, k, axis=ax + 1).reshape(shape[:ax] + (shape[ax] // 2,) + shape[ax + 1:])
-    return pick(0), pick(1)
+    half = shape[:ax] + (shape[ax] // 2,) + shape[ax + 1:]
+    return tuple(jnp.take(both, k, axis=ax + 1).reshape(half) for k in (0, 1))
 
 
 def _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_):
@@ -591,7 +590,7 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         ins.update(mrows=mrows, carry=carry, mcarry=mcarry)
     if cfg.sources:
         ins.update(c_hidden=d_sources.hidden, c_d0=d_sources.d0, c_y=d_sources.y)
-    pairs = cfg.pairs and cfg.momentum
+    pairs = cfg.pairs
     for i, key in enumerate(keys):
         ins["s_" + key] = starts[i]
         if not pairs:
@@ -708,10 +707,11 @@ def pass_config(state: MLPStates, a, targets, *, activation, residual, interpret
     hp = next_pow2(state.w0.shape[-1], least=16)
     bs = bs.resolve(hp, interpret, a.shape[0] * a.shape[1])
     bs.check(hp, interpret)
-    cfg = _Cfg(**support.pass_fields(_FN, state, a, activation, residual), hidden=hp,
+    fields = support.pass_fields(_FN, state, a, activation, residual)
+    cfg = _Cfg(**fields, hidden=hp,
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
                dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd,
                sources=bool(sources) and bs.backward == "kernel", factors=factors,
-               pairs=bs.pair_products)
+               pairs=bs.pair_products and fields["momentum"])
     padded = tuple(next_pow2(x, least=16) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     return cfg, padded, bs.backward
