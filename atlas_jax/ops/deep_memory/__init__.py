@@ -6,7 +6,9 @@ start θ, the output residual's cotangents, and the chunk-end update, one outer-
 weight. impl="chunk" is a lax.scan in XLA (the reference); impl="pallas" the Pallas kernel
 (`atlas_jax.kernels.deep_memory`, interpret mode on CPU). `atlas_jax.forms.dual` builds its
 operands (the chunk-parallel coefficients) and reads every chunk from the states it returns;
-`mlp_reads` is those reads for this memory (reference and GPU kernel).
+`mlp_reads` is those reads for this memory (reference and GPU kernel). `dual_chain_reference` is
+the chain of a super-chunk for a depth-2 MLP memory whose first layer reads a wide input (φ of
+omeganet, dla), which the dual form runs between its products with θ.
 """
 
 from atlas_jax.ops.deep_memory.state_pass import (
@@ -20,9 +22,10 @@ from atlas_jax.ops.deep_memory.state_pass import (
     mlp_state_pass,
     mlp_state_pass_reference,
 )
+from atlas_jax.ops.deep_memory.dual_chain import ChainOutputs, chain_weights, dual_chain_reference
 from atlas_jax.ops.deep_memory.reads import (joint_pass_pays, mlp_chunk_read, mlp_reads, mlp_reads_reference,
                                               mlp_state_pass_and_reads)
 
-__all__ = ["IMPLS", "MLPSources", "MLPStates", "joint_pass_pays", "kernel_covers", "mlp_chunk_read",
+__all__ = ["ChainOutputs", "IMPLS", "MLPSources", "MLPStates", "chain_weights", "dual_chain_reference", "joint_pass_pays", "kernel_covers", "mlp_chunk_read",
            "mlp_chunk_sources", "mlp_chunk_step", "mlp_reads", "mlp_reads_reference", "mlp_sources_from_starts",
            "mlp_state_pass", "mlp_state_pass_and_reads", "mlp_state_pass_reference"]

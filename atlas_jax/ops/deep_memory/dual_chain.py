@@ -1,0 +1,136 @@
+"""The chain of a super-chunk for a depth-2 MLP memory whose first layer reads a wide input.
+
+omeganet, dla (and atlas' first layer) read φ(k), d_φ = 8448 wide at degree 2 and D 128, so θ's
+first layer W0 [d_φ, h] (and omeganet's skip map S [d_φ, dv]) is too large to carry from chunk to
+chunk the way titans' state pass does. The dual form instead forms θ once per super-chunk of S
+chunks (`atlas_jax.forms.dual._super_chunk`): the rows' products with the super-chunk's start θ_B
+are one large matmul, and chunk k's θ_k enters only as θ_B plus the earlier chunks' low-rank
+updates,
+
+    x θ_k[W] = p_k (x θ_B[W]) + Σ_{j<k} ((x A_jᵀ) ⊙ w_kj) Δ_j          (W = W0: Δ = D, W = S: Δ = E)
+
+with A_j chunk j's gradient sources' inputs (φ rows), D_j / E_j their first layer's / output's
+cotangents, p_k the decay from the super-chunk's start and w_kj [n] the weight of chunk j's
+sources in θ_k (chunk j's chunk-end rows decayed to chunk k). The Gram matrices x A_jᵀ are d wide
+through φ's kernel. What is left once the base products and the Gram matrices are formed is a
+chain over the S chunks of [n, h]-sized work — this op — which in XLA is hundreds of small ops a
+chunk: omeganet's time does not move with S (B1 T4096 H8 D128 bf16 fwd+bwd on an H200, one command:
+S 4 / 8 / 16 80.1 / 79.6 / 82.4 ms), so it is this chain, not the θ-sized products, that sets it.
+
+Per chunk k (one sequence and head), with the second layer W1_k carried explicitly ([h, dv]):
+
+    Z = p_k B_k[:, :h] + Σ_{j<k} (G_kj ⊙ w_kj) D_j        (sources; B_k = A_k θ_B, G_kj = A_k A_jᵀ)
+    H = σ(Z),  Y = H W1_k (+ p_k B_k[:, h:] + Σ_{j<k} (G_kj ⊙ w_kj) E_j with the skip map)
+    E = ∂ℓ/∂Y (ℓ2: Y − targets; dot: −targets),  D = (E W1_kᵀ) ⊙ σ'(Z)
+    W1_{k+1} = P_k W1_k + Hᵀ (r_k ⊙ E)                    (P_k = from_start[k, −1], r_k = rows[k, −1])
+
+and the reads of its b steps t, θ_t = f_t θ_k + Σ_s M[t, s] a_s δ_sᵀ (f = from_start, M = rows):
+
+    Zq = f ⊙ (p_k Bq_k[:, :h] + Σ_{j<k} (Gq_kj ⊙ w_kj) D_j) + (M ⊙ Gq_kk) D
+    o  = f ⊙ (σ(Zq) W1_k) + (M ⊙ (σ(Zq) Hᵀ)) E (+ the skip map's read, alike with E)
+
+The super-chunk's end θ is then p_S θ_B + Σ_j A_jᵀ (w_Sj ⊙ [D_j | E_j]) for the wide weights
+(`end_weights`; one matmul in the caller) and W1_S from here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from atlas_jax.linalg import product
+from atlas_jax.memory import ACTIVATIONS
+
+OBJECTIVES = ("l2", "dot")
+
+
+class ChainOutputs(NamedTuple):
+    """What `dual_chain_reference` returns for one super-chunk (leading axes as its inputs')."""
+
+    d0: jax.Array        # the first layer's output cotangents D [S, n, h]
+    errors: jax.Array    # the output cotangents E [S, n, dv]
+    w1_end: jax.Array    # the second layer after the super-chunk [h, dv]
+    outputs: jax.Array   # the reads [S, b, dv]
+
+
+def chain_weights(from_start, state_rows):
+    """(p, w): p [S + 1] the decay from the super-chunk's start to the start of chunk k (p_S: its
+    end), w [S + 1, S, n] the weight of chunk j's sources in chunk k's start θ (zero for j ≥ k).
+    from_start [S, b], state_rows [S, b, n] (`forms.dual.ChunkTerms`, one per chunk). Products of
+    decays in log space would lose the exact zeros of a fully decayed chunk; S is small, so the
+    products are formed directly."""
+    S = from_start.shape[0]
+    decay_end, rows_end = from_start[:, -1], state_rows[:, -1]
+    p = [jnp.ones((), jnp.float32)]
+    w = [jnp.zeros((S,) + rows_end.shape[1:], jnp.float32)]
+    for k in range(S):
+        p.append(p[-1] * decay_end[k])
+        w.append((decay_end[k] * w[-1]).at[k].set(rows_end[k]))
+    return jnp.stack(p), jnp.stack(w)
+
+
+def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries, w1, targets, from_start,
+                         state_rows, *, activation: str = "gelu", skip: bool = False, objective: str = "l2",
+                         operands=None) -> ChainOutputs:
+    """The module docstring's chain for one sequence and head, in XLA.
+
+    Args: base_sources [S, n, h (+ dv with the skip map)] and base_queries [S, b, h (+ dv)]: the
+    sources' and queries' products with the super-chunk's start θ_B (W0, then the skip map);
+    gram_sources [S, n, S, n] and gram_queries [S, b, S, n]: Gram matrices of chunk k's rows with
+    chunk j's sources (entries j > k are not read; for the sources j = k neither); w1 [h, dv];
+    targets [S, n, dv]; from_start [S, b]; state_rows [S, b, n]. ``operands``: the dtype the
+    products with W1 take their operands in (`forms.dual.operand_dtype`); the Gram products are
+    float32. Returns `ChainOutputs`."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"dual_chain_reference: argument `objective` must be one of {OBJECTIVES}; got {objective!r}.")
+    S, n, b, (h, dv) = targets.shape[0], targets.shape[1], from_start.shape[-1], w1.shape
+    width = h + dv if skip else h
+    expect = {"base_sources": (base_sources, (S, n, width)), "base_queries": (base_queries, (S, b, width)),
+              "gram_sources": (gram_sources, (S, n, S, n)), "gram_queries": (gram_queries, (S, b, S, n)),
+              "targets": (targets, (S, n, dv)), "from_start": (from_start, (S, b)),
+              "state_rows": (state_rows, (S, b, n))}
+    for name, (x, shape) in expect.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"dual_chain_reference: argument `{name}` must have shape {shape} (from targets "
+                             f"[S, n, dv], from_start [S, b], w1 [h, dv], skip={skip}); got {tuple(x.shape)}.")
+    act = ACTIVATIONS[activation]
+    p, w = chain_weights(from_start, state_rows)
+    f32 = lambda x: x.astype(jnp.float32)
+    d_hist, e_hist, outputs = [], [], []
+    for k in range(S):
+        f, rows = from_start[k], state_rows[k]
+
+        def from_theta_k(base, gram):
+            """x θ_k for W0 and the skip map: base [rows, h (+ dv)], gram [rows, S, n]."""
+            out = p[k] * f32(base)
+            if k:
+                weighted = (f32(gram[:, :k]) * w[k, :k]).reshape(gram.shape[0], k * n)
+                history = jnp.concatenate(d_hist[:k], axis=0)
+                if skip:
+                    history = jnp.concatenate([history, jnp.concatenate(e_hist[:k], axis=0)], axis=1)
+                out = out + weighted @ history
+            return out
+
+        src = from_theta_k(base_sources[k], gram_sources[k])
+        hidden, act_vjp = jax.vjp(act, src[:, :h])
+        if objective == "l2":
+            y = product(hidden, w1, "nn", operands)
+            errors = (y + src[:, h:] if skip else y) - f32(targets[k])
+        else:   # the dot objective's output cotangent does not depend on the prediction
+            errors = -f32(targets[k])
+        (d0,) = act_vjp(product(errors, w1, "nt", operands))
+        d_hist.append(d0)
+        e_hist.append(errors)
+
+        q = f[:, None] * from_theta_k(base_queries[k], gram_queries[k])
+        own = rows * f32(gram_queries[k][:, k])
+        zq = q[:, :h] + own @ d0
+        hq = act(zq)
+        out = f[:, None] * product(hq, w1, "nn", operands) + (rows * (hq @ hidden.T)) @ errors
+        if skip:
+            out = out + q[:, h:] + own @ errors
+        outputs.append(out)
+        w1 = from_start[k, -1] * w1 + product(hidden, rows[-1][:, None] * errors, "tn", operands)
+    return ChainOutputs(jnp.stack(d_hist), jnp.stack(e_hist), w1, jnp.stack(outputs))
