@@ -144,18 +144,23 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     earlier chunks' low-rank updates. Groups of 3 chunks (rounded up to whole super-chunks), the
     last group with a whole chunk of padding or more; omeganet with its window, decay and per-position
     gates, three sub-chunks too (with φ padded by zero features: `FEATURE_ALIGN`); implicit GD
-    without a feature map: outputs, states and gradients against the materialising form."""
+    without a feature map: outputs, states and gradients against the materialising form. Both are
+    depth-2 MLPs, so their sub-chunks run through the super-chunk chain (`dual._chain`)."""
     if per_super == 3:
         monkeypatch.setattr(dual, "FEATURE_ALIGN", 8)
         monkeypatch.setattr(dual, "FEATURE_PAD_MAX_FRACTION", 1.0)
     calls = []
     super_chunk = dual._super_chunk
     monkeypatch.setattr(dual, "_super_chunk", lambda *a, **kw: calls.append(1) or super_chunk(*a, **kw))
+    chains = []
+    chain = dual._chain
+    monkeypatch.setattr(dual, "_chain", lambda *a, **kw: chains.append(1) or chain(*a, **kw))
     monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
     monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
     monkeypatch.setattr(dual, "SUPER_CHUNK", per_super)
     _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
     assert calls, "the super-chunk path did not run"
+    assert chains, "the super-chunk chain (a depth-2 MLP) did not run"
 
 
 def test_super_chunks_only_where_the_chunk_end_is_linear():
@@ -355,6 +360,9 @@ def test_bf16_inputs_take_bf16_products_with_theta_within_bf16_rounding(name, mo
         monkeypatch.setattr(dual, "GROUP_TOKENS", 8)
         super_chunk = dual._super_chunk
         monkeypatch.setattr(dual, "_super_chunk", lambda *a, **kw: calls.append(1) or super_chunk(*a, **kw))
+    chains = []
+    chain = dual._chain
+    monkeypatch.setattr(dual, "_chain", lambda *a, **kw: chains.append(1) or chain(*a, **kw))
     spec = _spec(name)
     q, k, v, knobs, state, feature_params = _inputs(spec, 3, 1, 29, 2, 8, 8)
     low = [x.astype(jnp.bfloat16) for x in (q, k, v)]

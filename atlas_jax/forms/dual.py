@@ -114,10 +114,12 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # end's product and decay, the scan's copies of the carried θ, the kept states and their
 # cotangents — is done once per SUPER_CHUNK chunks. The chunk-start scheme is unchanged. The
 # corrections' Gram matrices go through φ's kernel (d wide), so longer super-chunks stay cheap.
-# omeganet B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: 27.93 ms at 4,
-# 27.11 at 8, but XLA compiles the layer in 86 s at 8 against 36 s at 4 (history:
-# benchmarks/results/deep_memory_h200_2026-11-27d.md).
-SUPER_CHUNK = 4
+# With the chain of a depth-2 MLP (`_chain`), B1 T4096 H8 D128 bf16 fwd+bwd on an H200, three
+# trees interleaved in one command: omeganet 80.3 ms (the per-sub-chunk loop, 4) -> 73.9 (the
+# chain, 4) -> 68.8 (the chain, 8); dla 49.0 -> 46.3 -> 41.6. XLA on the CPU compiles omeganet's
+# layer there in 32 s at 8 against 15 at 4, and its memory grows 2.84 -> 2.96 GiB
+# (benchmarks/results/dual_chain_h200_2026-11-28.md).
+SUPER_CHUNK = 8
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
 # The fused per-chunk scan's parts likewise (Newton–Schulz first: it is inside the chunk end).
@@ -509,6 +511,29 @@ def _one_chunk(spec, opt_info, features, carry: MemoryState, xc: Steps, padding_
 CACHED_WINDOW = "_cached_window"   # `_super_chunk`'s extra product in `first_layer_products` (not a weight)
 
 
+def _first_gram(kernel, inputs, raws, phi, raw, n_cached, cached_gram=None):
+    """φ(x)·φ(k_s) [rows, Σ n_s] of rows x with the sources of earlier sub-chunks (``inputs``: their
+    φ rows, ``raws``: their raw k or None): ``phi`` the rows' φ, ``raw`` the raw inputs of all but
+    their first ``n_cached`` (or None); ``cached_gram``: φ(x)·φ(k_s) for the first sub-chunk's
+    window rows (the entering window cache, φ alone), formed with the products with θ_B. Through
+    φ's ``kernel`` where both rows' raw inputs are known."""
+    blocks = []
+    for index, (a, raw_s) in enumerate(zip(inputs, raws)):
+        if kernel is None or raw is None or raw_s is None:
+            blocks.append(rows_gram(phi, a))
+            continue
+        cached_s = a.shape[0] - raw_s.shape[0]
+        block = kernel.gram(raw, raw_s)
+        if cached_s:
+            use = cached_gram is not None and index == 0 and n_cached == 0
+            cached = cached_gram if use else rows_gram(phi[n_cached:], a[:cached_s])
+            block = jnp.concatenate([cached, block], axis=1)
+        if n_cached:
+            block = jnp.concatenate([rows_gram(phi[:n_cached], a), block], axis=0)
+        blocks.append(block)
+    return jnp.concatenate(blocks, axis=1)
+
+
 class _LowRankStart:
     """A sub-chunk's start θ₀ = p θ_B + Σ_s w_s a_s δ_sᵀ without forming it: θ_B the super-chunk's
     start, (a_s, δ_s) the layer inputs and output cotangents of the sub-chunks before
@@ -538,25 +563,9 @@ class _LowRankStart:
         return (gram * jnp.concatenate(self.weights)) @ self._cat(self.cotangents, key)
 
     def _first_gram(self, key, phi, raw, n_cached, cached_gram=None):
-        """φ(x)·φ(k_s) [rows, Σ n_s]: ``phi`` the rows' φ, ``raw`` the raw inputs of all but their
-        first ``n_cached`` (or None); ``cached_gram``: φ(x)·φ(k_s) for the first sub-chunk's window
-        rows (the entering window cache, φ alone), formed with the products with θ_B."""
-        blocks = []
-        for index, (inputs, raw_s) in enumerate(zip(self.inputs, self.raw)):
-            a = inputs[key]
-            if self.kernel is None or raw is None or raw_s is None:
-                blocks.append(rows_gram(phi, a))
-                continue
-            cached_s = a.shape[0] - raw_s.shape[0]
-            block = self.kernel.gram(raw, raw_s)
-            if cached_s:
-                use = cached_gram is not None and index == 0 and n_cached == 0
-                cached = cached_gram if use else rows_gram(phi[n_cached:], a[:cached_s])
-                block = jnp.concatenate([cached, block], axis=1)
-            if n_cached:
-                block = jnp.concatenate([rows_gram(phi[:n_cached], a), block], axis=0)
-            blocks.append(block)
-        return jnp.concatenate(blocks, axis=1)
+        """φ(x)·φ(k_s) [rows, Σ n_s] over the earlier sub-chunks' sources (`_first_gram`)."""
+        return _first_gram(self.kernel, [inputs[key] for inputs in self.inputs], self.raw, phi, raw, n_cached,
+                           cached_gram)
 
     def first_products(self, base_products, terms: ChunkTerms, raw_sources=None, raw_queries=None,
                        cached=(None, None)):
@@ -594,7 +603,8 @@ class _LowRankStart:
 
 def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None):
     """``SUPER_CHUNK`` chunks of the grouped scan with θ formed once, at their end: chunk k > 0
-    takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`): what
+    takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`, or for a
+    depth-2 MLP the super-chunk chain, `_chain`): what
     `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
     where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀, no
     restarts: `_super_chunks`)."""
@@ -630,6 +640,10 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
         if features is not None and features.has_kernel and carry.window is not None:
             extra = {CACHED_WINDOW: carry.window.inputs.T}
         base_products = _kept(first_layer_products(spec, carry.params, *terms, extra=extra, operands=operands))
+    if _chain_covers(spec, carry.params, terms[0]):
+        params_end, outputs = _chain(spec, carry.params, features, terms, base_products, raw_sources,
+                                     xs.queries if features is not None else None, operands)
+        return carry._replace(params=params_end, window=win), outputs
     start = _LowRankStart(carry.params, features, operands)
     outputs = []
     for k, (t, base, raw) in enumerate(zip(terms, base_products, raw_sources)):
@@ -645,6 +659,69 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     with jax.named_scope(SCOPES["chunk_end"]):
         params_end = start.materialise()
     return carry._replace(params=params_end, window=win), jnp.concatenate(outputs)
+
+
+def _chain_covers(spec, params, terms: ChunkTerms) -> bool:
+    """Whether `_chain` runs a super-chunk: a depth-2 MLP memory without LayerNorm, whose residual
+    (if any) is a skip map, with the ℓ2 or dot objective and gradients at θ₀."""
+    from atlas_jax.memory import MLPMemory
+    from atlas_jax.objectives import L2, Dot
+
+    memory = spec.memory
+    if type(memory) is not MLPMemory or memory.depth != 2 or memory.layernorm:
+        return False
+    if memory.residual and "skip" not in params:
+        return False
+    return type(spec.objective) in (L2, Dot) and terms.src_scale is None and terms.src_delta is None
+
+
+def _chain(spec, params, features, terms, base_products, raw_sources, raw_queries, operands):
+    """`_super_chunk`'s sub-chunks after their products with θ_B (``base_products``) through the
+    super-chunk chain (`ops.deep_memory.dual_chain`): every Gram matrix of a sub-chunk's rows with
+    an earlier one's sources at once, then the chain, then θ after the super-chunk (the wide
+    weights in one matmul each). Returns (θ after it, outputs [S·b, dv])."""
+    from atlas_jax.ops.deep_memory.dual_chain import chain_weights, dual_chain_reference
+
+    kernel = features if features is not None and features.has_kernel else None
+    skip = "skip" in params
+    wide = ["W0", "skip"] if skip else ["W0"]
+    n_sub, n = len(terms), terms[0].src_inputs.shape[0]
+    sources = [t.src_inputs for t in terms]
+    base_src, base_q, gram_src, gram_q = [], [], [], []
+    full = lambda block: jnp.pad(block, [(0, 0), (0, n_sub * n - block.shape[1])]).reshape(block.shape[0], n_sub, n)
+    with jax.named_scope(SCOPES["chunk_source"]):
+        for k, (t, base, raw) in enumerate(zip(terms, base_products, raw_sources)):
+            cached = base.pop(CACHED_WINDOW, (None, None))
+            base_src.append(jnp.concatenate([base[key][0] for key in wide], axis=1))
+            base_q.append(jnp.concatenate([base[key][1] for key in wide], axis=1))
+            own = t.first_gram if t.first_gram is not None else rows_gram(t.queries, t.src_inputs)
+            if k == 0:
+                gram_src.append(jnp.zeros((n, n_sub, n), jnp.float32))
+                gram_q.append(full(own))
+                continue
+            n_cached = n - (0 if raw is None else raw.shape[0])
+            queries_raw = None if raw_queries is None else raw_queries[k]
+            gram_src.append(full(_first_gram(kernel, sources[:k], raw_sources[:k], t.src_inputs, raw, n_cached,
+                                             cached[0])))
+            gram_q.append(full(jnp.concatenate([_first_gram(kernel, sources[:k], raw_sources[:k], t.queries,
+                                                            queries_raw, 0, cached[1]), own], axis=1)))
+    stack = jnp.stack
+    from_start = jnp.stack([t.from_start for t in terms])
+    state_rows = jnp.stack([t.state_rows for t in terms])
+    with jax.named_scope(SCOPES["chunk_read"]):
+        out = dual_chain_reference(stack(base_src), stack(base_q), _kept(stack(gram_src)), _kept(stack(gram_q)), params["W1"],
+                                   jnp.stack([t.src_targets for t in terms]), from_start, state_rows,
+                                   activation=spec.memory.activation, skip=skip,
+                                   objective="l2" if spec.objective.name == "l2" else "dot", operands=operands)
+    with jax.named_scope(SCOPES["chunk_end"]):
+        p, w = chain_weights(from_start, state_rows)
+        rows = jnp.concatenate(sources)
+        cotangents = {"W0": _kept(out.d0), "skip": _kept(out.errors)}
+        params_end = {"W1": out.w1_end}
+        for key in wide:
+            weighted = (w[-1][..., None] * cotangents[key]).reshape(n_sub * n, -1)
+            params_end[key] = outer_product(rows, weighted, operands) + p[-1] * params[key]
+    return params_end, out.outputs.reshape((n_sub * out.outputs.shape[1],) + out.outputs.shape[2:])
 
 
 def _super_chunks(spec, opt_info, steps: Steps) -> int:
