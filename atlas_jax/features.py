@@ -117,18 +117,34 @@ def _symmetric_square_fwd(x):
     return _symmetric_square(x), x
 
 
+def _sym2_kernel_runs(d: int) -> bool:
+    """Whether sym_2's backward runs as the GPU kernel (`atlas_jax.kernels.features.gpu`): on a GPU
+    backend, for widths d that are powers of two from 16."""
+    return jax.default_backend() == "gpu" and d >= 16 and d & (d - 1) == 0
+
+
 def _symmetric_square_bwd(x, cotangent):
+    d = x.shape[-1]
+    if _sym2_kernel_runs(d):
+        from atlas_jax.kernels.features.gpu import symmetric_square_backward_gpu
+        return (symmetric_square_backward_gpu(x, cotangent),)
+    return (_symmetric_square_bwd_xla(x, cotangent),)
+
+
+def _symmetric_square_bwd_xla(x, cotangent):
     # Autodiff's transpose of the monomials' gather is a scatter-add (each x_k collects d + 1
     # monomials; on a GPU, atomics: ~110 µs a chunk of atlas' 64 × 8 heads at d 128). Gathered
     # instead: ∂L/∂x_k = Σ_j S[k, j] x_j with S[k, j] the weighted cotangent of x_min·x_max.
     # B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: omeganet 42.9 ->
     # 42.2 ms, atlas 186.7 -> 182.1.
+    # On a GPU the kernel replaces this (`_sym2_kernel_runs`): XLA read the cotangent here in the
+    # transposed layout its producer left it in (benchmarks/results/dual_chain_h200_2026-11-28.md).
     d = x.shape[-1]
     _, weights = _symmetric_power_table(d, 2)
     position, diagonal = _pair_table(d)
     weighted = cotangent * jnp.asarray(weights, cotangent.dtype)
     pairs = weighted[..., position] * jnp.asarray(diagonal, cotangent.dtype)   # [..., d, d]
-    return (jnp.sum(pairs * x[..., None, :].astype(pairs.dtype), axis=-1).astype(x.dtype),)
+    return jnp.sum(pairs * x[..., None, :].astype(pairs.dtype), axis=-1).astype(x.dtype)
 
 
 _symmetric_square.defvjp(_symmetric_square_fwd, _symmetric_square_bwd)
