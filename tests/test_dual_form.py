@@ -134,7 +134,8 @@ def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypa
 SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="omeganet-C8-T45-S2"),
                pytest.param("omeganet", 8, 37, 3, marks=pytest.mark.slow, id="omeganet-C8-T37-S3"),
                pytest.param("omeganet", 2, 13, 3, id="omeganet-C2-T13-S3"),
-               pytest.param("ttt_mlp_implicit", 4, 29, 2, id="ttt_mlp_implicit-C4-T29-S2")]
+               pytest.param("ttt_mlp_implicit", 4, 29, 2, id="ttt_mlp_implicit-C4-T29-S2"),
+               pytest.param("dla", 4, 21, 2, marks=pytest.mark.slow, id="dla-C4-T21-S2")]
 
 
 @pytest.mark.parametrize("name,chunk,T,per_super", SUPER_CASES)
@@ -144,8 +145,9 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     earlier chunks' low-rank updates. Groups of 3 chunks (rounded up to whole super-chunks), the
     last group with a whole chunk of padding or more; omeganet with its window, decay and per-position
     gates, three sub-chunks too (with φ padded by zero features: `FEATURE_ALIGN`); implicit GD
-    without a feature map: outputs, states and gradients against the materialising form. Both are
-    depth-2 MLPs, so their sub-chunks run through the super-chunk chain (`dual._chain`)."""
+    without a feature map; dla (the dot objective, no skip map): outputs, states and gradients
+    against the materialising form. All are depth-2 MLPs, so their sub-chunks run through the
+    super-chunk chain (`dual._chain`)."""
     if per_super == 3:
         monkeypatch.setattr(dual, "FEATURE_ALIGN", 8)
         monkeypatch.setattr(dual, "FEATURE_PAD_MAX_FRACTION", 1.0)
