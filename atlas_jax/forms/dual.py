@@ -705,11 +705,12 @@ def _chain(spec, params, features, terms, base_products, raw_sources, raw_querie
                                              cached[0])))
             gram_q.append(full(jnp.concatenate([_first_gram(kernel, sources[:k], raw_sources[:k], t.queries,
                                                             queries_raw, 0, cached[1]), own], axis=1)))
-    stack = jnp.stack
     from_start = jnp.stack([t.from_start for t in terms])
     state_rows = jnp.stack([t.state_rows for t in terms])
     with jax.named_scope(SCOPES["chunk_read"]):
-        out = dual_chain_reference(stack(base_src), stack(base_q), _kept(stack(gram_src)), _kept(stack(gram_q)), params["W1"],
+        # the Gram matrices ([S, rows, S, n]: small) are kept for the grouped scan's backward
+        out = dual_chain_reference(jnp.stack(base_src), jnp.stack(base_q), _kept(jnp.stack(gram_src)),
+                                   _kept(jnp.stack(gram_q)), params["W1"],
                                    jnp.stack([t.src_targets for t in terms]), from_start, state_rows,
                                    activation=spec.memory.activation, skip=skip,
                                    objective="l2" if spec.objective.name == "l2" else "dot", operands=operands)

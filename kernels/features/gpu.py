@@ -7,12 +7,14 @@ from off_i = i·d − i(i − 1)/2). With g the cotangent of those features,
 
     ∂L/∂x_k = 2 g_kk x_k + √2 Σ_{j>k} g_kj x_j + √2 Σ_{i<k} g_ik x_i.
 
-A program takes ``block_rows`` rows and ``block_i`` values of i (their shares of ∂L/∂x are
-summed in XLA: the loop over i is sequential, and one program per block of rows alone left a call
-of omeganet's (512 rows) 16 programs, 1.16× slower than XLA's gather for the layer). For each i it loads the d features from
-off_i − i (so that column c of the load is the monomial (i, c) for c ≥ i; the columns below i are
-the previous row's and are masked), adds Σ_c coef_c g_ic x_c to ∂L/∂x_i and √2 g_ic x_i to
-∂L/∂x_c (c > i). g is read once, row-contiguous, and nothing of size [rows, d, d] is formed.
+A program takes ``block_rows`` rows and ``block_i`` values of i; their shares of ∂L/∂x are summed
+in XLA. (The loop over i is sequential: one program per block of rows alone gave a call of
+omeganet's, 512 rows, 16 programs, and the layer ran 1.16× slower than with XLA's gather.) For
+each i it loads the d features from off_i − i, so that column c of the load is the monomial
+(i, c) for c ≥ i (the columns below i are the previous row's and are masked), and adds
+Σ_c coef_c g_ic x_c to ∂L/∂x_i and √2 g_ic x_i to ∂L/∂x_c (c > i). g is read once,
+row-contiguous, and nothing of size [rows, d, d] is formed. The XLA backward it replaces (the
+reference the tests hold it to) is `atlas_jax.features._symmetric_square_bwd_xla`.
 
 Why: XLA's formulation (a gather of g into a [rows, d, d] grid and a sum) read g in the
 transposed layout its producer left it in: 459 µs a call for omeganet's super-chunk at B1 H8
