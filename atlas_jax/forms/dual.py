@@ -117,7 +117,7 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # With the chain of a depth-2 MLP (`_chain`), B1 T4096 H8 D128 bf16 fwd+bwd on an H200, three
 # trees interleaved in one command: omeganet 80.3 ms (the per-sub-chunk loop, 4) -> 73.9 (the
 # chain, 4) -> 68.8 (the chain, 8); dla 49.0 -> 46.3 -> 41.6. XLA on the CPU compiles omeganet's
-# layer there in 32 s at 8 against 15 at 4, and its memory grows 2.84 -> 2.96 GiB
+# layer there in 29 s at 8 against 15 at 4, and its memory grows 2.84 -> 2.95 GiB
 # (benchmarks/results/dual_chain_h200_2026-11-28.md).
 SUPER_CHUNK = 8
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its

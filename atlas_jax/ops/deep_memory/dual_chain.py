@@ -99,21 +99,15 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
     p, w = chain_weights(from_start, state_rows)
     f32 = lambda x: x.astype(jnp.float32)
     d_hist, e_hist, outputs = [], [], []
+    history = None   # [k·n, h (+ dv)]: the earlier chunks' D (and E), grown by one chunk at a time
     for k in range(S):
         f, rows = from_start[k], state_rows[k]
-
-        def from_theta_k(base, gram):
-            """x θ_k for W0 and the skip map: base [rows, h (+ dv)], gram [rows, S, n]."""
-            out = p[k] * f32(base)
-            if k:
-                weighted = (f32(gram[:, :k]) * w[k, :k]).reshape(gram.shape[0], k * n)
-                history = jnp.concatenate(d_hist[:k], axis=0)
-                if skip:
-                    history = jnp.concatenate([history, jnp.concatenate(e_hist[:k], axis=0)], axis=1)
-                out = out + weighted @ history
-            return out
-
-        src = from_theta_k(base_sources[k], gram_sources[k])
+        # x θ_k for W0 and the skip map, the sources' and the queries' rows in one product
+        base = p[k] * jnp.concatenate([f32(base_sources[k]), f32(base_queries[k])])
+        if k:
+            gram = jnp.concatenate([f32(gram_sources[k][:, :k]), f32(gram_queries[k][:, :k])])
+            base = base + (gram * w[k, :k]).reshape(gram.shape[0], k * n) @ history
+        src, q = base[:n], f[:, None] * base[n:]
         hidden, act_vjp = jax.vjp(act, src[:, :h])
         if objective == "l2":
             y = product(hidden, w1, "nn", operands)
@@ -123,8 +117,9 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
         (d0,) = act_vjp(product(errors, w1, "nt", operands))
         d_hist.append(d0)
         e_hist.append(errors)
+        new = jnp.concatenate([d0, errors], axis=1) if skip else d0
+        history = new if history is None else jnp.concatenate([history, new])
 
-        q = f[:, None] * from_theta_k(base_queries[k], gram_queries[k])
         own = rows * f32(gram_queries[k][:, k])
         zq = q[:, :h] + own @ d0
         hq = act(zq)
