@@ -640,7 +640,7 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
         if features is not None and features.has_kernel and carry.window is not None:
             extra = {CACHED_WINDOW: carry.window.inputs.T}
         base_products = _kept(first_layer_products(spec, carry.params, *terms, extra=extra, operands=operands))
-    if _chain_covers(spec, carry.params, terms[0]):
+    if _chain_covers(spec, carry.params):
         params_end, outputs = _chain(spec, carry.params, features, terms, base_products, raw_sources,
                                      xs.queries if features is not None else None, operands)
         return carry._replace(params=params_end, window=win), outputs
@@ -661,9 +661,10 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     return carry._replace(params=params_end, window=win), jnp.concatenate(outputs)
 
 
-def _chain_covers(spec, params, terms: ChunkTerms) -> bool:
+def _chain_covers(spec, params) -> bool:
     """Whether `_chain` runs a super-chunk: a depth-2 MLP memory without LayerNorm, whose residual
-    (if any) is a skip map, with the ℓ2 or dot objective and gradients at θ₀."""
+    (if any) is a skip map, with the ℓ2 or dot objective (super-chunks take gradients at θ₀:
+    `_super_chunks`)."""
     from atlas_jax.memory import MLPMemory
     from atlas_jax.objectives import L2, Dot
 
@@ -672,7 +673,7 @@ def _chain_covers(spec, params, terms: ChunkTerms) -> bool:
         return False
     if memory.residual and "skip" not in params:
         return False
-    return type(spec.objective) in (L2, Dot) and terms.src_scale is None and terms.src_delta is None
+    return type(spec.objective) in (L2, Dot)
 
 
 def _chain(spec, params, features, terms, base_products, raw_sources, raw_queries, operands):
@@ -680,7 +681,7 @@ def _chain(spec, params, features, terms, base_products, raw_sources, raw_querie
     super-chunk chain (`ops.deep_memory.dual_chain`): every Gram matrix of a sub-chunk's rows with
     an earlier one's sources at once, then the chain, then θ after the super-chunk (the wide
     weights in one matmul each). Returns (θ after it, outputs [S·b, dv])."""
-    from atlas_jax.ops.deep_memory.dual_chain import chain_weights, dual_chain_reference
+    from atlas_jax.ops.deep_memory.dual_chain import dual_chain_reference
 
     kernel = features if features is not None and features.has_kernel else None
     skip = "skip" in params
@@ -715,13 +716,12 @@ def _chain(spec, params, features, terms, base_products, raw_sources, raw_querie
                                    activation=spec.memory.activation, skip=skip,
                                    objective="l2" if spec.objective.name == "l2" else "dot", operands=operands)
     with jax.named_scope(SCOPES["chunk_end"]):
-        p, w = chain_weights(from_start, state_rows)
         rows = jnp.concatenate(sources)
         cotangents = {"W0": _kept(out.d0), "skip": _kept(out.errors)}
         params_end = {"W1": out.w1_end}
         for key in wide:
-            weighted = (w[-1][..., None] * cotangents[key]).reshape(n_sub * n, -1)
-            params_end[key] = outer_product(rows, weighted, operands) + p[-1] * params[key]
+            weighted = (out.end_weights[..., None] * cotangents[key]).reshape(n_sub * n, -1)
+            params_end[key] = outer_product(rows, weighted, operands) + out.end_decay * params[key]
     return params_end, out.outputs.reshape((n_sub * out.outputs.shape[1],) + out.outputs.shape[2:])
 
 

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from atlas_jax.kernels.delta_family.gpu import default_interpret
+from atlas_jax.kernels.delta_family.support import check_num_warps
 
 __all__ = ["Sym2GpuBlockSizes", "symmetric_square_backward_gpu"]
 
@@ -61,8 +62,7 @@ class Sym2GpuBlockSizes:
                 continue
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"{_FN}: `block_sizes.{name}` must be a power of two; got {value!r}.")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{_FN}: `block_sizes.num_warps` must be 1, 2, 4, 8 or 16; got {self.num_warps!r}.")
+        check_num_warps(_FN, self, ("num_warps",))
 
 
 def _kernel(g_ref, x_ref, dx_ref, *, d, block_rows, block_i):

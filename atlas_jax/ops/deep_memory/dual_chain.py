@@ -30,7 +30,7 @@ and the reads of its b steps t, θ_t = f_t θ_k + Σ_s M[t, s] a_s δ_sᵀ (f = 
     o  = f ⊙ (σ(Zq) W1_k) + (M ⊙ (σ(Zq) Hᵀ)) E (+ the skip map's read, alike with E)
 
 The super-chunk's end θ is then p_S θ_B + Σ_j A_jᵀ (w_Sj ⊙ [D_j | E_j]) for the wide weights
-(`end_weights`; one matmul in the caller) and W1_S from here.
+(``end_decay`` and ``end_weights`` of the outputs; one matmul in the caller) and W1_S from here.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class ChainOutputs(NamedTuple):
     errors: jax.Array    # the output cotangents E [S, n, dv]
     w1_end: jax.Array    # the second layer after the super-chunk [h, dv]
     outputs: jax.Array   # the reads [S, b, dv]
+    end_decay: jax.Array     # p_S: θ_B's weight in the super-chunk's end θ []
+    end_weights: jax.Array   # w_S [S, n]: every source's weight in it (the wide weights' end, in the caller)
 
 
 def chain_weights(from_start, state_rows):
@@ -128,4 +130,4 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
             out = out + q[:, h:] + own @ errors
         outputs.append(out)
         w1 = from_start[k, -1] * w1 + product(hidden, rows[-1][:, None] * errors, "tn", operands)
-    return ChainOutputs(jnp.stack(d_hist), jnp.stack(e_hist), w1, jnp.stack(outputs))
+    return ChainOutputs(jnp.stack(d_hist), jnp.stack(e_hist), w1, jnp.stack(outputs), p[-1], w[-1])
