@@ -100,16 +100,16 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
     act = ACTIVATIONS[activation]
     p, w = chain_weights(from_start, state_rows)
     f32 = lambda x: x.astype(jnp.float32)
-    d_hist, e_hist, outputs = [], [], []
+    # The sources, chunk after chunk: only they carry the chain (chunk k's D, E and W1_k need the
+    # earlier chunks'). The reads need nothing of a later chunk, so they follow as batched products
+    # over the S chunks, not as S more sets of small ops inside the chain (omeganet B1 T4096 H8
+    # bf16 fwd+bwd on an H200, one command: 62.4 -> 60.3 ms).
+    d_hist, e_hist, hidden_all, w1_all = [], [], [], []
     history = None   # [k·n, h (+ dv)]: the earlier chunks' D (and E), grown by one chunk at a time
     for k in range(S):
-        f, rows = from_start[k], state_rows[k]
-        # x θ_k for W0 and the skip map, the sources' and the queries' rows in one product
-        base = p[k] * jnp.concatenate([f32(base_sources[k]), f32(base_queries[k])])
+        src = p[k] * f32(base_sources[k])
         if k:
-            gram = jnp.concatenate([f32(gram_sources[k][:, :k]), f32(gram_queries[k][:, :k])])
-            base = base + (gram * w[k, :k]).reshape(gram.shape[0], k * n) @ history
-        src, q = base[:n], f[:, None] * base[n:]
+            src = src + (f32(gram_sources[k][:, :k]) * w[k, :k]).reshape(n, k * n) @ history
         hidden, act_vjp = jax.vjp(act, src[:, :h])
         if objective == "l2":
             y = product(hidden, w1, "nn", operands)
@@ -119,15 +119,26 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
         (d0,) = act_vjp(product(errors, w1, "nt", operands))
         d_hist.append(d0)
         e_hist.append(errors)
+        hidden_all.append(hidden)
+        w1_all.append(w1)
         new = jnp.concatenate([d0, errors], axis=1) if skip else d0
         history = new if history is None else jnp.concatenate([history, new])
+        w1 = from_start[k, -1] * w1 + product(hidden, state_rows[k, -1][:, None] * errors, "tn", operands)
+    d_all, e_all, hidden_all, w1_all = map(jnp.stack, (d_hist, e_hist, hidden_all, w1_all))
 
-        own = rows * f32(gram_queries[k][:, k])
-        zq = q[:, :h] + own @ d0
-        hq = act(zq)
-        out = f[:, None] * product(hq, w1, "nn", operands) + (rows * (hq @ hidden.T)) @ errors
-        if skip:
-            out = out + q[:, h:] + own @ errors
-        outputs.append(out)
-        w1 = from_start[k, -1] * w1 + product(hidden, rows[-1][:, None] * errors, "tn", operands)
-    return ChainOutputs(jnp.stack(d_hist), jnp.stack(e_hist), w1, jnp.stack(outputs), p[-1], w[-1])
+    # The reads of every chunk's b steps at once: one [S·b, S·n] matrix of the query Gram matrices
+    # weighted by where each source stands at step t (f_t w_kj for an earlier chunk j < k, the
+    # chunk's own M[t, s] for j = k, zero for j > k) times every chunk's [D | E].
+    chunk_k = jnp.arange(S)[:, None, None, None]
+    chunk_j = jnp.arange(S)[None, None, :, None]
+    earlier = f32(gram_queries) * w[:S, None] * from_start[:, :, None, None]
+    own = jnp.einsum("KBKN->KBN", f32(gram_queries)) * state_rows                    # M ⊙ Gq_kk [S, b, n]
+    mixing = jnp.where(chunk_j < chunk_k, earlier, 0.0)
+    mixing = jnp.where(chunk_j == chunk_k, own[:, :, None, :], mixing).reshape(S * b, S * n)
+    pre = (from_start * p[:S, None])[..., None] * f32(base_queries) + (mixing @ history).reshape(S, b, -1)
+    hidden_q = act(pre[..., :h])
+    outputs = (from_start[..., None] * product(hidden_q, w1_all, "nn", operands)
+               + jnp.einsum("KBN,KNV->KBV", state_rows * jnp.einsum("KBH,KNH->KBN", hidden_q, hidden_all), e_all))
+    if skip:
+        outputs = outputs + pre[..., h:]
+    return ChainOutputs(d_all, e_all, w1, outputs, p[-1], w[-1])
