@@ -157,12 +157,17 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     chains = []
     chain = dual._chain
     monkeypatch.setattr(dual, "_chain", lambda *a, **kw: chains.append(1) or chain(*a, **kw))
+    whole_grams = []
+    chain_grams = dual._chain_grams
+    monkeypatch.setattr(dual, "_chain_grams", lambda *a, **kw: whole_grams.append(1) or chain_grams(*a, **kw))
     monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
     monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
     monkeypatch.setattr(dual, "SUPER_CHUNK", per_super)
     _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
     assert calls, "the super-chunk path did not run"
     assert chains, "the super-chunk chain (a depth-2 MLP) did not run"
+    if name == "omeganet":   # chunks as long as the window's c − 1 rows or longer: the Grams in one piece
+        assert bool(whole_grams) == (chunk >= 3), "the super-chunk's Gram matrices took the other path"
 
 
 def test_super_chunks_only_where_the_chunk_end_is_linear():
