@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax import optimizers as inner_opt
@@ -738,8 +739,6 @@ def _chain_grams(kernel, raw_keys, raw_queries, cached, n_sub, b, n_window):
     the first chunk's window rows (raw k gone: the entering window cache) take their columns from
     the products with the cache's φ (``cached``, one (sources', queries') pair per chunk). Entries
     no chain reads (chunk 0's sources, later chunks' columns) hold finite values of other pairs."""
-    import numpy as np
-
     n = b + n_window
     src_index = np.arange(n_sub)[:, None] * b - n_window + np.arange(n)[None, :]    # [S, n], < 0: cached
     columns = np.maximum(src_index, 0)[None, None]

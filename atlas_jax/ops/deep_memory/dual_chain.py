@@ -76,7 +76,8 @@ def chain_weights(from_start, state_rows):
 def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries, w1, targets, from_start,
                          state_rows, *, activation: str = "gelu", skip: bool = False, objective: str = "l2",
                          operands=None) -> ChainOutputs:
-    """The module docstring's chain for one sequence and head, in XLA.
+    """The module docstring's chain for one sequence and head, in XLA: the sources chunk after
+    chunk, then every chunk's reads at once (none feeds a later chunk).
 
     Args: base_sources [S, n, h (+ dv with the skip map)] and base_queries [S, b, h (+ dv)]: the
     sources' and queries' products with the super-chunk's start θ_B (W0, then the skip map);
