@@ -645,13 +645,12 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
         extra = None
         if features is not None and features.has_kernel and carry.window is not None:
             extra = {CACHED_WINDOW: carry.window.inputs.T}
-        chain = _chain_covers(spec, carry.params)
-        base_products = first_layer_products(spec, carry.params, *terms, extra=extra, operands=operands,
-                                             with_rows=chain)
-        base_products, joined = (_kept(base_products[0]), base_products[1]) if chain else (_kept(base_products), None)
-    if chain:
-        params_end, outputs = _chain(spec, carry.params, features, terms, base_products, raw_sources,
-                                     xs.queries if features is not None else None, joined, operands, raw_keys)
+        base_products, joined = first_layer_products(spec, carry.params, *terms, extra=extra, operands=operands,
+                                                     with_rows=True)
+        base_products = _kept(base_products)
+    if _chain_covers(spec, carry.params):
+        params_end, outputs = _chain(spec, carry.params, features, terms, base_products, joined, raw_keys,
+                                     raw_sources, xs.queries if features is not None else None, operands)
         return carry._replace(params=params_end, window=win), outputs
     start = _LowRankStart(carry.params, features, operands)
     outputs = []
@@ -685,13 +684,14 @@ def _chain_covers(spec, params) -> bool:
     return type(spec.objective) in (L2, Dot)
 
 
-def _chain(spec, params, features, terms, base_products, raw_sources, raw_queries, joined, operands, raw_keys=None):
+def _chain(spec, params, features, terms, base_products, joined, raw_keys, raw_sources, raw_queries, operands):
     """`_super_chunk`'s sub-chunks after their products with θ_B (``base_products``) through the
     super-chunk chain (`ops.deep_memory.dual_chain`): every Gram matrix of a sub-chunk's rows with
     an earlier one's sources at once, then the chain, then θ after the super-chunk (the wide
     weights in one matmul each, from the sub-chunks' sources as the first rows of ``joined``,
-    `first_layer_products`' buffer; ``raw_keys`` [S·b, d]: the super-chunk's raw k, for φ's
-    kernel). Returns (θ after it, outputs [S·b, dv])."""
+    `first_layer_products`' buffer; ``raw_keys`` [S·b, d], ``raw_sources`` (per sub-chunk) and
+    ``raw_queries`` [S, b, d]: the raw k and scale·q, for φ's kernel). Returns (θ after it,
+    outputs [S·b, dv])."""
     from atlas_jax.ops.deep_memory.dual_chain import dual_chain_reference
 
     kernel = features if features is not None and features.has_kernel else None
@@ -701,17 +701,17 @@ def _chain(spec, params, features, terms, base_products, raw_sources, raw_querie
     sources = [t.src_inputs for t in terms]
     base_src, base_q, gram_src, gram_q = [], [], [], []
     cached = [base.pop(CACHED_WINDOW, (None, None)) for base in base_products]
-    for base in base_products:
-        base_src.append(jnp.concatenate([base[key][0] for key in wide], axis=1))
-        base_q.append(jnp.concatenate([base[key][1] for key in wide], axis=1))
     n_window = n - b
-    if (kernel is not None and raw_keys is not None and raw_queries is not None and b >= n_window
-            and (n_window == 0 or all(c[0] is not None for c in cached))):
-        with jax.named_scope(SCOPES["chunk_source"]):
-            gram_src, gram_q = _chain_grams(kernel, raw_keys, raw_queries.reshape((n_sub * b, -1)), cached, n_sub, b,
-                                            n_window)
-    else:
-        gram_src, gram_q = _chain_grams_by_chunk(kernel, terms, sources, cached, raw_sources, raw_queries)
+    with jax.named_scope(SCOPES["chunk_source"]):
+        for base in base_products:
+            base_src.append(jnp.concatenate([base[key][0] for key in wide], axis=1))
+            base_q.append(jnp.concatenate([base[key][1] for key in wide], axis=1))
+        if (kernel is not None and raw_keys is not None and raw_queries is not None and b >= n_window
+                and (n_window == 0 or all(c[0] is not None for c in cached))):
+            gram_src, gram_q = _chain_grams(kernel, raw_keys, raw_queries.reshape((n_sub * b, -1)), cached, n_sub,
+                                            b, n_window)
+        else:
+            gram_src, gram_q = _chain_grams_by_chunk(kernel, terms, sources, cached, raw_sources, raw_queries)
     from_start = jnp.stack([t.from_start for t in terms])
     state_rows = jnp.stack([t.state_rows for t in terms])
     with jax.named_scope(SCOPES["chunk_read"]):
@@ -741,9 +741,10 @@ def _chain_grams(kernel, raw_keys, raw_queries, cached, n_sub, b, n_window):
     no chain reads (chunk 0's sources, later chunks' columns) hold finite values of other pairs."""
     n = b + n_window
     src_index = np.arange(n_sub)[:, None] * b - n_window + np.arange(n)[None, :]    # [S, n], < 0: cached
-    columns = np.maximum(src_index, 0)[None, None]
+    src_rows = np.maximum(src_index, 0)
+    columns = src_rows[None, None]
     f32 = lambda x: x.astype(jnp.float32)
-    gram_src = f32(kernel.gram(raw_keys, raw_keys))[np.maximum(src_index, 0)[:, :, None, None], columns]
+    gram_src = f32(kernel.gram(raw_keys, raw_keys))[src_rows[:, :, None, None], columns]
     gram_q = f32(kernel.gram(raw_queries, raw_keys))[np.arange(n_sub * b).reshape(n_sub, b)[:, :, None, None], columns]
     if n_window:
         gram_src = gram_src.at[:, :, 0, :n_window].set(f32(jnp.stack([c[0] for c in cached])))
@@ -757,19 +758,18 @@ def _chain_grams_by_chunk(kernel, terms, sources, cached, raw_sources, raw_queri
     n_sub, n = len(terms), terms[0].src_inputs.shape[0]
     gram_src, gram_q = [], []
     full = lambda block: jnp.pad(block, [(0, 0), (0, n_sub * n - block.shape[1])]).reshape(block.shape[0], n_sub, n)
-    with jax.named_scope(SCOPES["chunk_source"]):
-        for k, (t, raw) in enumerate(zip(terms, raw_sources)):
-            own = t.first_gram if t.first_gram is not None else rows_gram(t.queries, t.src_inputs)
-            if k == 0:
-                gram_src.append(jnp.zeros((n, n_sub, n), jnp.float32))
-                gram_q.append(full(own))
-                continue
-            n_cached = n - (0 if raw is None else raw.shape[0])
-            queries_raw = None if raw_queries is None else raw_queries[k]
-            gram_src.append(full(_first_gram(kernel, sources[:k], raw_sources[:k], t.src_inputs, raw, n_cached,
-                                             cached[k][0])))
-            gram_q.append(full(jnp.concatenate([_first_gram(kernel, sources[:k], raw_sources[:k], t.queries,
-                                                            queries_raw, 0, cached[k][1]), own], axis=1)))
+    for k, (t, raw) in enumerate(zip(terms, raw_sources)):
+        own = t.first_gram if t.first_gram is not None else rows_gram(t.queries, t.src_inputs)
+        if k == 0:
+            gram_src.append(jnp.zeros((n, n_sub, n), jnp.float32))
+            gram_q.append(full(own))
+            continue
+        n_cached = n - (0 if raw is None else raw.shape[0])
+        queries_raw = None if raw_queries is None else raw_queries[k]
+        gram_src.append(full(_first_gram(kernel, sources[:k], raw_sources[:k], t.src_inputs, raw, n_cached,
+                                         cached[k][0])))
+        gram_q.append(full(jnp.concatenate([_first_gram(kernel, sources[:k], raw_sources[:k], t.queries,
+                                                        queries_raw, 0, cached[k][1]), own], axis=1)))
     return jnp.stack(gram_src), jnp.stack(gram_q)
 
 
