@@ -15,6 +15,7 @@ degree ≤ p therefore has C(d+p, p) features, the effective key width of ATLAS 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ class FeatureMap:
 
     def apply(self, params: dict, x: jax.Array) -> jax.Array:
         raise NotImplementedError
+
+    def apply_as(self, params: dict, x: jax.Array, dtype) -> jax.Array:
+        """``apply`` rounded to ``dtype``; a map may form it so that its backward reads the
+        cotangent in ``dtype`` (Polynomial)."""
+        return self.apply(params, x).astype(dtype)
 
     def kernel(self, params: dict, s: jax.Array) -> jax.Array:
         """⟨φ(x), φ(y)⟩ as a function of s = x·y (elementwise over s); only where ``has_kernel``."""
@@ -150,6 +156,36 @@ def _symmetric_square_bwd_xla(x, cotangent):
 _symmetric_square.defvjp(_symmetric_square_fwd, _symmetric_square_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def scaled_symmetric_square(x, scale, dtype):
+    """scale · sym_2(x), formed in x's dtype and returned in ``dtype`` (bf16 where only bf16
+    products read it: `atlas_jax.forms.dual`'s φ rows). Its backward takes the cotangent in
+    ``dtype`` and forms ∂L/∂x and ∂L/∂scale from one read of it (on a GPU: the kernel of
+    `atlas_jax.kernels.features.gpu`), instead of a float32 cast of the cotangent, a scaled copy
+    and a separate reduction for the scale."""
+    return (scale.astype(x.dtype) * _symmetric_square(x)).astype(dtype)
+
+
+def _scaled_symmetric_square_fwd(x, scale, dtype):
+    return scaled_symmetric_square(x, scale, dtype), (x, scale)
+
+
+def _scaled_symmetric_square_bwd(dtype, residuals, cotangent):
+    x, scale = residuals
+    d = x.shape[-1]
+    if _sym2_kernel_runs(d):
+        from atlas_jax.kernels.features.gpu import symmetric_square_backward_gpu
+        dx, dscale = symmetric_square_backward_gpu(x, cotangent, scale, with_scale_grad=True)
+    else:
+        g = cotangent.astype(jnp.float32)
+        dx = (scale.astype(jnp.float32) * _symmetric_square_bwd_xla(x.astype(jnp.float32), g)).astype(x.dtype)
+        dscale = jnp.sum(g * _symmetric_square(x.astype(jnp.float32)))
+    return dx, dscale.astype(scale.dtype).reshape(scale.shape)
+
+
+scaled_symmetric_square.defvjp(_scaled_symmetric_square_fwd, _scaled_symmetric_square_bwd)
+
+
 def _power(s: jax.Array, i: int) -> jax.Array:
     """s^i by repeated products (s^0 = 1 also where s = 0, and a finite gradient there)."""
     out = jnp.ones_like(s)
@@ -195,6 +231,13 @@ class Polynomial(FeatureMap):
         coeffs = params["coeffs"] if params else self.init_params()["coeffs"]
         blocks = [coeffs[i].astype(x.dtype) * symmetric_power(x, i) for i in range(self.degree + 1)]
         return jnp.concatenate(blocks, axis=-1)
+
+    def apply_as(self, params, x, dtype):
+        if self.degree != 2:
+            return self.apply(params, x).astype(dtype)
+        coeffs = params["coeffs"] if params else self.init_params()["coeffs"]
+        blocks = [(coeffs[i].astype(x.dtype) * symmetric_power(x, i)).astype(dtype) for i in range(2)]
+        return jnp.concatenate(blocks + [scaled_symmetric_square(x, coeffs[2], dtype)], axis=-1)
 
     def kernel(self, params, s):
         # Block i contributes c_i² ⟨sym_i(x), sym_i(y)⟩ = c_i² (x·y)^i (the constant block: c_0²).

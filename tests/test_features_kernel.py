@@ -44,6 +44,21 @@ def test_kernel_equals_the_xla_backward_and_autodiff(d, lead, dtype, block_rows,
     assert rel(got, by_autodiff) <= TOL, rel(got, by_autodiff)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_scales_and_forms_the_scales_gradient(dtype):
+    """With ``scale`` and ``with_scale_grad`` (`features.scaled_symmetric_square`'s backward): ∂L/∂x
+    and ∂L/∂scale of scale · sym_2(x) equal autodiff's, from the same loads of the cotangent."""
+    kx, kg = jax.random.split(jax.random.PRNGKey(7))
+    x = jax.random.normal(kx, (3, 11, 16), jnp.float32)
+    g = jax.random.normal(kg, (3, 11, 16 * 17 // 2), jnp.float32).astype(dtype)
+    scale = jnp.float32(0.7)
+    dx, dscale = symmetric_square_backward_gpu(x, g, scale, with_scale_grad=True, interpret=True,
+                                               block_sizes=Sym2GpuBlockSizes(block_rows=16, block_i=4))
+    _, vjp = jax.vjp(lambda x, c: c * _by_definition(x), x, scale)
+    want_dx, want_dscale = vjp(g.astype(jnp.float32))
+    assert dscale.shape == () and rel(dx, want_dx) <= TOL and rel(dscale, want_dscale) <= TOL
+
+
 def test_kernel_runs_sym2s_backward_on_a_gpu_backend(monkeypatch):
     """Where `_sym2_kernel_runs`: the gradient of sym_2 (through its custom VJP) goes through the
     kernel (here in interpret mode, the backend only pretended)."""
@@ -52,13 +67,17 @@ def test_kernel_runs_sym2s_backward_on_a_gpu_backend(monkeypatch):
 
     kernel = gpu.symmetric_square_backward_gpu
     monkeypatch.setattr(gpu, "symmetric_square_backward_gpu",
-                        lambda x, g: calls.append(1) or kernel(x, g, interpret=True))
+                        lambda *args, **kw: calls.append(1) or kernel(*args, **{**kw, "interpret": True}))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 16))
     grad = jax.grad(lambda x: jnp.sum(jnp.sin(features.symmetric_power(x, 2))))(x)
+    scaled = jax.grad(lambda x, c: jnp.sum(jnp.sin(features.scaled_symmetric_square(x, c, jnp.float32))),
+                      argnums=(0, 1))(x, jnp.float32(0.7))
     monkeypatch.undo()
     want = jax.grad(lambda x: jnp.sum(jnp.sin(_by_definition(x))))(x)
-    assert calls and rel(grad, want) <= TOL
+    want_scaled = jax.grad(lambda x, c: jnp.sum(jnp.sin(c * _by_definition(x))), argnums=(0, 1))(x, jnp.float32(0.7))
+    assert len(calls) == 2 and rel(grad, want) <= TOL
+    assert rel(scaled[0], want_scaled[0]) <= TOL and rel(scaled[1], want_scaled[1]) <= TOL
     assert not features._sym2_kernel_runs(16) and not features._sym2_kernel_runs(12)
 
 
@@ -95,3 +114,7 @@ def test_gpu_compiled_kernel_equals_the_xla_backward():
     got = jax.jit(symmetric_square_backward_gpu)(x, g)
     want = jax.jit(features._symmetric_square_bwd_xla)(x, g.astype(jnp.float32))
     assert rel(got, want) <= 1e-5, rel(got, want)
+    scale = jnp.float32(0.7)
+    dx, dscale = jax.jit(lambda x, g, s: symmetric_square_backward_gpu(x, g, s, with_scale_grad=True))(x, g, scale)
+    want_dscale = jnp.sum(g.astype(jnp.float32) * jax.jit(features._symmetric_square)(x))
+    assert rel(dx, scale * want) <= 1e-5 and rel(dscale, want_dscale) <= 1e-5, (rel(dx, scale * want), rel(dscale, want_dscale))

@@ -868,6 +868,9 @@ class _WrappedFeatures:
     def gram(self, x, y):
         return self.features.gram(x, y)
 
+    def as_dtype(self, x, dtype):
+        return self(x).astype(dtype)
+
 
 class _AlignedFeatures(_WrappedFeatures):
     """φ followed by ``pad`` zero features (FEATURE_ALIGN); its kernel is φ's."""
@@ -878,6 +881,10 @@ class _AlignedFeatures(_WrappedFeatures):
 
     def __call__(self, x):
         y = self.features(x)
+        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
+
+    def as_dtype(self, x, dtype):
+        y = self.features.as_dtype(x, dtype)
         return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
 
     def output_dim(self, d):
@@ -906,7 +913,7 @@ class _OperandFeatures(_WrappedFeatures):
         self.dtype = dtype
 
     def __call__(self, x):
-        return jax.lax.optimization_barrier(self.features(x).astype(self.dtype))
+        return jax.lax.optimization_barrier(self.features.as_dtype(x, self.dtype))
 
 
 def _aligned_features(spec, state: MemoryState, steps: Steps, features):

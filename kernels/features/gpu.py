@@ -65,14 +65,14 @@ class Sym2GpuBlockSizes:
         check_num_warps(_FN, self, ("num_warps",))
 
 
-def _kernel(g_ref, x_ref, dx_ref, *, d, block_rows, block_i):
+def _kernel(g_ref, x_ref, scale_ref, dx_ref, *ds_ref, d, block_rows, block_i):
     rows = pl.ds(pl.multiple_of(pl.program_id(0) * block_rows, block_rows), block_rows)
     first = pl.program_id(1) * block_i
     x = x_ref[rows, :].astype(F32)                                  # [rows, d]
     cols = lax.broadcasted_iota(jnp.int32, (block_rows, d), 1)
     root2 = math.sqrt(2.0)
 
-    def step(i, acc):
+    def step(i, carry):
         start = i * d - (i * (i - 1)) // 2 - i                       # off_i − i: column c is monomial (i, c)
         g = g_ref[rows, pl.ds(start, d)].astype(F32)
         on_i = cols == i
@@ -80,16 +80,25 @@ def _kernel(g_ref, x_ref, dx_ref, *, d, block_rows, block_i):
         x_i = jnp.sum(jnp.where(on_i, x, 0.0), axis=1, keepdims=True)            # [rows, 1]
         to_i = jnp.sum(coef * g * x, axis=1, keepdims=True)                     # ∂L/∂x_i's terms of row i
         to_c = jnp.where(cols > i, root2 * g, 0.0) * x_i                         # ∂L/∂x_c, c > i
-        return acc + to_c + jnp.where(on_i, to_i, 0.0)
+        acc, acc_s = carry
+        if ds_ref:   # ⟨g, sym_2(x)⟩'s terms of row i: x_i Σ_c w_ic g_ic x_c (w: 1 on the diagonal, √2 above)
+            acc_s = acc_s + x_i * jnp.sum(jnp.where(on_i, 1.0, jnp.where(cols > i, root2, 0.0)) * g * x,
+                                          axis=1, keepdims=True)
+        return acc + to_c + jnp.where(on_i, to_i, 0.0), acc_s
 
-    acc = lax.fori_loop(first, first + block_i, step, jnp.zeros((block_rows, d), F32))
-    dx_ref[pl.program_id(1), rows, :] = acc
+    carry = (jnp.zeros((block_rows, d), F32), jnp.zeros((block_rows, 1), F32))
+    acc, acc_s = lax.fori_loop(first, first + block_i, step, carry)
+    dx_ref[pl.program_id(1), rows, :] = acc * scale_ref[...].astype(F32)[None, :]
+    if ds_ref:
+        ds_ref[0][pl.program_id(1), rows, :] = acc_s
 
 
-def symmetric_square_backward_gpu(x, cotangent, *, block_sizes: Sym2GpuBlockSizes | None = None,
-                                  interpret: bool | None = None):
-    """∂L/∂x [..., d] of sym_2(x) from its cotangent [..., d(d + 1)/2] (module docstring); d a
-    power of two. interpret: None = interpret mode off a GPU backend."""
+def symmetric_square_backward_gpu(x, cotangent, scale=None, *, block_sizes: Sym2GpuBlockSizes | None = None,
+                                  interpret: bool | None = None, with_scale_grad: bool = False):
+    """∂L/∂x [..., d] of scale · sym_2(x) from its cotangent [..., d(d + 1)/2] (module docstring;
+    scale a scalar, default 1); d a power of two. with_scale_grad: also return ⟨cotangent,
+    sym_2(x)⟩ (the scale's gradient), formed from the same loads. interpret: None = interpret mode
+    off a GPU backend."""
     bs = block_sizes or Sym2GpuBlockSizes()
     d = x.shape[-1]
     width = d * (d + 1) // 2
@@ -111,8 +120,14 @@ def symmetric_square_backward_gpu(x, cotangent, *, block_sizes: Sym2GpuBlockSize
         raise ValueError(f"{_FN}: `block_sizes.block_i` = {block_i} must divide d = {d}.")
     interpret = default_interpret() if interpret is None else interpret
     kernel = functools.partial(_kernel, d=d, block_rows=bs.block_rows, block_i=block_i)
-    parts = pl.pallas_call(kernel, grid=(padded // bs.block_rows, d // block_i),
-                           out_shape=jax.ShapeDtypeStruct((d // block_i, padded, d), F32),
-                           compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
-                           interpret=interpret, name="symmetric_square_backward_gpu")(g2, x2)
-    return jnp.sum(parts, axis=0)[:n].astype(x.dtype).reshape(x.shape)
+    scale = jnp.ones((1,), F32) if scale is None else jnp.reshape(scale, (1,)).astype(F32)
+    out_shape = [jax.ShapeDtypeStruct((d // block_i, padded, d), F32)]
+    if with_scale_grad:
+        out_shape.append(jax.ShapeDtypeStruct((d // block_i, padded, 1), F32))
+    parts = pl.pallas_call(
+        kernel, grid=(padded // bs.block_rows, d // block_i), out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
+        interpret=interpret, name="symmetric_square_backward_gpu")(g2, x2, scale)
+    dx = jnp.sum(parts[0], axis=0)[:n].astype(x.dtype).reshape(x.shape)
+    # padded rows are zero in x, so add nothing to the scale's gradient
+    return (dx, jnp.sum(parts[1])) if with_scale_grad else dx
