@@ -131,7 +131,7 @@ def test_groups_of_chunks_rematerialised_together_give_the_same_results(monkeypa
 # CI runs omeganet in chunks of 4 (the window's c - 1 or more: the super-chunk's Gram matrices in
 # one piece, `_chain_grams`), three sub-chunks (φ padded by zero features), padding chunks; the
 # slow set adds pairs, longer chunks and chunks of 2 with the window of 4 (a sub-chunk's window
-# rows span two sub-chunks: the Gram matrices chunk by chunk)
+# rows span two sub-chunks: the Gram matrices and φ's rows chunk by chunk)
 SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="omeganet-C8-T45-S2"),
                pytest.param("omeganet", 8, 37, 3, marks=pytest.mark.slow, id="omeganet-C8-T37-S3"),
                pytest.param("omeganet", 2, 13, 3, marks=pytest.mark.slow, id="omeganet-C2-T13-S3"),
@@ -392,12 +392,17 @@ def test_bf16_inputs_take_bf16_products_with_theta_within_bf16_rounding(name, mo
     assert dots["float32"] and all("bfloat16" not in d for d in dots["float32"]), dots["float32"]
     assert dots["bfloat16"] and all(d == ("bfloat16", "bfloat16") for d in dots["bfloat16"]), dots["bfloat16"]
     assert bool(calls) == (name == "omeganet")
-    if name == "omeganet":   # φ's rows are joined (sources and queries, a super-chunk's) in bf16
+    if name == "omeganet":   # a super-chunk's φ rows (sources and queries) are one buffer, formed in bf16
         d_phi = w0[0]
+        formed = []
+        rows_of = dual._super_chunk_rows
+        monkeypatch.setattr(dual, "_super_chunk_rows", lambda *a: (lambda r: formed.append(str(r.dtype)) or r)(rows_of(*a)))
         with chunked.dual_form():
             joined = {dtype: _concatenated_dtypes(jax.make_jaxpr(call)(*xs), d_phi)
                       for dtype, xs in (("float32", (q, k, v)), ("bfloat16", low))}
-        assert joined["float32"] == {"float32"} and "bfloat16" in joined["bfloat16"], joined
+        assert formed and set(formed) == {"float32", "bfloat16"}, formed
+        # and never joined from d_φ-wide pieces: the only such joins are the float32 window cache's
+        assert joined == {"float32": {"float32"}, "bfloat16": {"float32"}}, joined
 
 
 def _concatenated_dtypes(closed, width):
