@@ -759,9 +759,14 @@ def _chain(spec, params, features, terms, base_products, joined, raw_keys, raw_s
         rows = jnp.concatenate(sources) if joined is None else joined[:n_sub * n]
         cotangents = {"W0": _kept(out.d0), "skip": _kept(out.errors)}
         params_end = {"W1": out.w1_end}
-        for key in wide:
-            weighted = (out.end_weights[..., None] * cotangents[key]).reshape(n_sub * n, -1)
-            params_end[key] = outer_product(rows, weighted, operands) + out.end_decay * params[key]
+        # the wide weights' updates as one product (their rows read once, their cotangent formed by
+        # one product): omeganet 51.01 -> 49.88 ms (B1 T4096 H8 bf16 fwd+bwd, H200, one command)
+        weighted = [(out.end_weights[..., None] * cotangents[key]).reshape(n_sub * n, -1) for key in wide]
+        update = outer_product(rows, jnp.concatenate(weighted, axis=1), operands)
+        column = 0
+        for key, part in zip(wide, weighted):
+            params_end[key] = update[:, column:column + part.shape[1]] + out.end_decay * params[key]
+            column += part.shape[1]
     return params_end, out.outputs.reshape((n_sub * out.outputs.shape[1],) + out.outputs.shape[2:])
 
 
