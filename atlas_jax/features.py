@@ -43,10 +43,12 @@ class FeatureMap:
     def apply(self, params: dict, x: jax.Array) -> jax.Array:
         raise NotImplementedError
 
-    def apply_as(self, params: dict, x: jax.Array, dtype) -> jax.Array:
-        """``apply`` rounded to ``dtype``; a map may form it so that its backward reads the
-        cotangent in ``dtype`` (Polynomial)."""
-        return self.apply(params, x).astype(dtype)
+    def apply_as(self, params: dict, x: jax.Array, dtype, width: int | None = None) -> jax.Array:
+        """``apply`` rounded to ``dtype`` and followed by zero features up to ``width`` (default:
+        none); a map may form it in one pass whose backward reads the cotangent in ``dtype``
+        (Polynomial of degree 2)."""
+        y = self.apply(params, x).astype(dtype)
+        return y if width is None else jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, width - y.shape[-1])])
 
     def kernel(self, params: dict, s: jax.Array) -> jax.Array:
         """⟨φ(x), φ(y)⟩ as a function of s = x·y (elementwise over s); only where ``has_kernel``."""
@@ -124,8 +126,9 @@ def _symmetric_square_fwd(x):
 
 
 def _sym2_kernel_runs(d: int) -> bool:
-    """Whether sym_2's backward runs as the GPU kernel (`atlas_jax.kernels.features.gpu`): on a GPU
-    backend, for widths d that are powers of two from 16."""
+    """Whether sym_2's backward and `polynomial2_features`' passes run as the GPU kernels
+    (`atlas_jax.kernels.features.gpu`): on a GPU backend, for widths d that are powers of two from
+    16."""
     return jax.default_backend() == "gpu" and d >= 16 and d & (d - 1) == 0
 
 
@@ -156,34 +159,47 @@ def _symmetric_square_bwd_xla(x, cotangent):
 _symmetric_square.defvjp(_symmetric_square_fwd, _symmetric_square_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def scaled_symmetric_square(x, scale, dtype):
-    """scale · sym_2(x), formed in x's dtype and returned in ``dtype`` (bf16 where only bf16
-    products read it: `atlas_jax.forms.dual`'s φ rows). Its backward takes the cotangent in
-    ``dtype`` and forms ∂L/∂x and ∂L/∂scale from one read of it (on a GPU: the kernel of
-    `atlas_jax.kernels.features.gpu`), instead of a float32 cast of the cotangent, a scaled copy
-    and a separate reduction for the scale."""
-    return (scale.astype(x.dtype) * _symmetric_square(x)).astype(dtype)
-
-
-def _scaled_symmetric_square_fwd(x, scale, dtype):
-    return scaled_symmetric_square(x, scale, dtype), (x, scale)
-
-
-def _scaled_symmetric_square_bwd(dtype, residuals, cotangent):
-    x, scale = residuals
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def polynomial2_features(x, coeffs, width, dtype):
+    """φ(x) of the degree-2 polynomial map, [c₀, c₁ x, c₂ sym_2(x)], followed by zero features up to
+    ``width`` and returned in ``dtype`` (bf16 where only bf16 products read it: the dual form's φ
+    rows, `atlas_jax.forms.dual`). On a GPU both passes are kernels
+    (`atlas_jax.kernels.features.gpu`): the forward writes the rows in one pass (XLA formed them as a
+    gather of two inputs per feature, then joined and padded the blocks), and the backward reads
+    the cotangent in ``dtype`` once, in place, forming ∂L/∂x and c₂'s gradient together."""
     d = x.shape[-1]
     if _sym2_kernel_runs(d):
+        from atlas_jax.kernels.features.gpu import polynomial2_features_gpu
+        return polynomial2_features_gpu(x, coeffs, width, dtype)
+    blocks = [coeffs[i].astype(x.dtype) * symmetric_power(x, i) for i in range(3)]
+    out = jnp.concatenate(blocks, axis=-1).astype(dtype)
+    return jnp.pad(out, [(0, 0)] * (x.ndim - 1) + [(0, width - out.shape[-1])])
+
+
+def _polynomial2_features_fwd(x, coeffs, width, dtype):
+    return polynomial2_features(x, coeffs, width, dtype), (x, coeffs)
+
+
+def _polynomial2_features_bwd(width, dtype, residuals, cotangent):
+    x, coeffs = residuals
+    d = x.shape[-1]
+    f32 = jnp.float32
+    c = coeffs.astype(f32)
+    linear = cotangent[..., 1:1 + d].astype(f32)
+    if _sym2_kernel_runs(d):
         from atlas_jax.kernels.features.gpu import symmetric_square_backward_gpu
-        dx, dscale = symmetric_square_backward_gpu(x, cotangent, scale, with_scale_grad=True)
+        dx_sym, d_c2 = symmetric_square_backward_gpu(x, cotangent, c[2], with_scale_grad=True, column_offset=1 + d)
     else:
-        g = cotangent.astype(jnp.float32)
-        dx = (scale.astype(jnp.float32) * _symmetric_square_bwd_xla(x.astype(jnp.float32), g)).astype(x.dtype)
-        dscale = jnp.sum(g * _symmetric_square(x.astype(jnp.float32)))
-    return dx, dscale.astype(scale.dtype).reshape(scale.shape)
+        g = cotangent[..., 1 + d:1 + d + d * (d + 1) // 2].astype(f32)
+        x32 = x.astype(f32)
+        dx_sym = c[2] * _symmetric_square_bwd_xla(x32, g)
+        d_c2 = jnp.sum(g * _symmetric_square(x32))
+    dx = c[1] * linear + dx_sym.astype(f32)
+    d_coeffs = jnp.stack([jnp.sum(cotangent[..., 0].astype(f32)), jnp.sum(linear * x.astype(f32)), d_c2])
+    return dx.astype(x.dtype), d_coeffs.astype(coeffs.dtype)
 
 
-scaled_symmetric_square.defvjp(_scaled_symmetric_square_fwd, _scaled_symmetric_square_bwd)
+polynomial2_features.defvjp(_polynomial2_features_fwd, _polynomial2_features_bwd)
 
 
 def _power(s: jax.Array, i: int) -> jax.Array:
@@ -232,12 +248,11 @@ class Polynomial(FeatureMap):
         blocks = [coeffs[i].astype(x.dtype) * symmetric_power(x, i) for i in range(self.degree + 1)]
         return jnp.concatenate(blocks, axis=-1)
 
-    def apply_as(self, params, x, dtype):
+    def apply_as(self, params, x, dtype, width=None):
         if self.degree != 2:
-            return self.apply(params, x).astype(dtype)
+            return super().apply_as(params, x, dtype, width)
         coeffs = params["coeffs"] if params else self.init_params()["coeffs"]
-        blocks = [(coeffs[i].astype(x.dtype) * symmetric_power(x, i)).astype(dtype) for i in range(2)]
-        return jnp.concatenate(blocks + [scaled_symmetric_square(x, coeffs[2], dtype)], axis=-1)
+        return polynomial2_features(x, coeffs, width or self.output_dim(x.shape[-1]), dtype)
 
     def kernel(self, params, s):
         # Block i contributes c_i² ⟨sym_i(x), sym_i(y)⟩ = c_i² (x·y)^i (the constant block: c_0²).

@@ -74,23 +74,26 @@ def test_degree_two_features_gradient_gathers_what_autodiff_scatters():
         assert ours_bf16.dtype == jnp.bfloat16 and rel(ours_bf16.astype(jnp.float32), ref) < 2e-2
 
 
-def test_polynomial_apply_as_equals_apply_rounded_with_its_gradients():
-    """`Polynomial.apply_as` (degree 2: its last block by `scaled_symmetric_square`, whose backward
-    reads the cotangent in the output's dtype and forms ∂L/∂x and the coefficient's gradient
-    together) equals ``apply(...).astype(dtype)``: values bit for bit in float32 and bf16, and the
-    gradients of the coefficients and of x to float32 rounding (≤ 1e-6 relative: the same terms,
-    summed in another order), for a bf16 cotangent too."""
-    from atlas_jax.features import scaled_symmetric_square
+def test_polynomial_apply_as_equals_apply_rounded_and_padded_with_its_gradients():
+    """`Polynomial.apply_as` (degree 2: `polynomial2_features`, one pass whose backward reads the
+    cotangent in the output's dtype and forms ∂L/∂x and the coefficients' gradients together)
+    equals ``apply(...).astype(dtype)`` followed by zero features up to ``width``: values to one
+    rounding (float32 ≤ 1e-6 relative; bf16 ≤ 1e-2: the XLA route multiplies in x's dtype), and
+    the gradients of the coefficients and of x to float32 rounding (≤ 1e-6 relative: the same
+    terms summed in another order), for a bf16 cotangent too."""
     x = jax.random.normal(jax.random.PRNGKey(3), (5, 7, 16))
-    cotangent = jax.random.normal(jax.random.PRNGKey(4), (5, 7, 1 + 16 + 16 * 17 // 2))
+    width = 1 + 16 + 16 * 17 // 2 + 7
+    cotangent = jax.random.normal(jax.random.PRNGKey(4), (5, 7, width))
     fmap = Polynomial(2)
     params = {"coeffs": jnp.asarray([0.9, 1.1, 0.6])}
+    pad = lambda y: jnp.pad(y, [(0, 0), (0, 0), (0, width - y.shape[-1])])
     for dtype in (jnp.float32, jnp.bfloat16):
-        ours, ours_vjp = jax.vjp(lambda p, x: fmap.apply_as(p, x, dtype), params, x)
-        want, want_vjp = jax.vjp(lambda p, x: fmap.apply(p, x).astype(dtype), params, x)
-        assert ours.dtype == dtype and rel(ours.astype(jnp.float32), want.astype(jnp.float32)) == 0.0
+        ours, ours_vjp = jax.vjp(lambda p, x: fmap.apply_as(p, x, dtype, width), params, x)
+        want, want_vjp = jax.vjp(lambda p, x: pad(fmap.apply(p, x).astype(dtype)), params, x)
+        assert ours.dtype == dtype and ours.shape == want.shape
+        assert rel(ours.astype(jnp.float32), want.astype(jnp.float32)) <= (1e-6 if dtype == jnp.float32 else 1e-2)
         (d_params, d_x), (w_params, w_x) = ours_vjp(cotangent.astype(dtype)), want_vjp(cotangent.astype(dtype))
         assert rel(d_params["coeffs"], w_params["coeffs"]) <= 1e-6 and rel(d_x, w_x) <= 1e-6, dtype
-    # other degrees fall back to apply(...).astype
-    assert rel(Polynomial(3).apply_as({}, x, jnp.float32), Polynomial(3).apply({}, x)) == 0.0
-    assert scaled_symmetric_square(x, jnp.float32(2.0), jnp.bfloat16).dtype == jnp.bfloat16
+    # without a width: φ's own; other degrees: apply(...).astype, padded
+    assert fmap.apply_as(params, x, jnp.float32).shape[-1] == fmap.output_dim(16)
+    assert rel(Polynomial(3).apply_as({}, x, jnp.float32, 1000)[..., :969], Polynomial(3).apply({}, x)) == 0.0

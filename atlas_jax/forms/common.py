@@ -64,9 +64,9 @@ class Features:
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.feature_map.apply(self.params, x)
 
-    def as_dtype(self, x: jax.Array, dtype) -> jax.Array:
-        """φ(x) rounded to ``dtype`` (`FeatureMap.apply_as`)."""
-        return self.feature_map.apply_as(self.params, x, dtype)
+    def as_dtype(self, x: jax.Array, dtype, width: int | None = None) -> jax.Array:
+        """φ(x) rounded to ``dtype``, zero features up to ``width`` (`FeatureMap.apply_as`)."""
+        return self.feature_map.apply_as(self.params, x, dtype, width)
 
     def output_dim(self, d: int) -> int:
         return self.feature_map.output_dim(d)

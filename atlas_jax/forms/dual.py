@@ -906,8 +906,9 @@ class _WrappedFeatures:
     def gram(self, x, y):
         return self.features.gram(x, y)
 
-    def as_dtype(self, x, dtype):
-        return self(x).astype(dtype)
+    def as_dtype(self, x, dtype, width=None):
+        y = self(x).astype(dtype)
+        return y if width is None else jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, width - y.shape[-1])])
 
 
 class _AlignedFeatures(_WrappedFeatures):
@@ -921,9 +922,8 @@ class _AlignedFeatures(_WrappedFeatures):
         y = self.features(x)
         return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
 
-    def as_dtype(self, x, dtype):
-        y = self.features.as_dtype(x, dtype)
-        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
+    def as_dtype(self, x, dtype, width=None):
+        return self.features.as_dtype(x, dtype, width or self.output_dim(x.shape[-1]))
 
     def output_dim(self, d):
         return self.features.output_dim(d) + self.pad
