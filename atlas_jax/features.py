@@ -48,7 +48,10 @@ class FeatureMap:
         none); a map may form it in one pass whose backward reads the cotangent in ``dtype``
         (Polynomial of degree 2)."""
         y = self.apply(params, x).astype(dtype)
-        return y if width is None else jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, width - y.shape[-1])])
+        if width is None:
+            return y
+        _check_feature_width(self.describe(), width, y.shape[-1])
+        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, width - y.shape[-1])])
 
     def kernel(self, params: dict, s: jax.Array) -> jax.Array:
         """⟨φ(x), φ(y)⟩ as a function of s = x·y (elementwise over s); only where ``has_kernel``."""
@@ -159,6 +162,13 @@ def _symmetric_square_bwd_xla(x, cotangent):
 _symmetric_square.defvjp(_symmetric_square_fwd, _symmetric_square_bwd)
 
 
+def _check_feature_width(name, width, features):
+    if width < features:
+        raise ValueError(f"apply_as: argument `width` = {width} is narrower than the {name} map's "
+                         f"{features} features; pass at least {features} (zero features are appended, "
+                         "none dropped).")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def polynomial2_features(x, coeffs, width, dtype):
     """φ(x) of the degree-2 polynomial map, [c₀, c₁ x, c₂ sym_2(x)], followed by zero features up to
@@ -168,6 +178,7 @@ def polynomial2_features(x, coeffs, width, dtype):
     gather of two inputs per feature, then joined and padded the blocks), and the backward reads
     the cotangent in ``dtype`` once, in place, forming ∂L/∂x and c₂'s gradient together."""
     d = x.shape[-1]
+    _check_feature_width("polynomial(p=2)", width, 1 + d + d * (d + 1) // 2)
     if _sym2_kernel_runs(d):
         from atlas_jax.kernels.features.gpu import polynomial2_features_gpu
         return polynomial2_features_gpu(x, coeffs, width, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from atlas_jax.features import ExpTaylor, Polynomial, symmetric_power
 from helpers import rel, unit
@@ -97,3 +98,6 @@ def test_polynomial_apply_as_equals_apply_rounded_and_padded_with_its_gradients(
     # without a width: φ's own; other degrees: apply(...).astype, padded
     assert fmap.apply_as(params, x, jnp.float32).shape[-1] == fmap.output_dim(16)
     assert rel(Polynomial(3).apply_as({}, x, jnp.float32, 1000)[..., :969], Polynomial(3).apply({}, x)) == 0.0
+    for degree in (2, 3):   # a width narrower than φ is an error that names it, not a truncation
+        with pytest.raises(ValueError, match="width"):
+            Polynomial(degree).apply_as({}, x, jnp.float32, 100)
