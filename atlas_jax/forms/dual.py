@@ -721,7 +721,7 @@ def _chain(spec, params, features, terms, base_products, joined, raw_keys, raw_s
     """`_super_chunk`'s sub-chunks after their products with θ_B (``base_products``) through the
     super-chunk chain (`ops.deep_memory.dual_chain`): every Gram matrix of a sub-chunk's rows with
     an earlier one's sources at once, then the chain, then θ after the super-chunk (the wide
-    weights in one matmul each, from the sub-chunks' sources as the first rows of ``joined``,
+    weights' updates in one matmul, from the sub-chunks' sources as the first rows of ``joined``,
     `_super_chunk_rows`' buffer, or joined here where that is None; ``raw_keys`` [S·b, d],
     ``raw_sources`` (per sub-chunk) and ``raw_queries`` [S, b, d]: the raw k and scale·q, for φ's
     kernel). Returns (θ after it, outputs [S·b, dv])."""
