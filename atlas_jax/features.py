@@ -51,7 +51,7 @@ class FeatureMap:
         if width is None:
             return y
         _check_feature_width(self.describe(), width, y.shape[-1])
-        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, width - y.shape[-1])])
+        return pad_features(y, width)
 
     def kernel(self, params: dict, s: jax.Array) -> jax.Array:
         """⟨φ(x), φ(y)⟩ as a function of s = x·y (elementwise over s); only where ``has_kernel``."""
@@ -162,6 +162,11 @@ def _symmetric_square_bwd_xla(x, cotangent):
 _symmetric_square.defvjp(_symmetric_square_fwd, _symmetric_square_bwd)
 
 
+def pad_features(y, width: int):
+    """y [..., m] followed by width − m zero features."""
+    return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, width - y.shape[-1])])
+
+
 def _check_feature_width(name, width, features):
     if width < features:
         raise ValueError(f"apply_as: argument `width` = {width} is narrower than the {name} map's "
@@ -184,7 +189,7 @@ def polynomial2_features(x, coeffs, width, dtype):
         return polynomial2_features_gpu(x, coeffs, width, dtype)
     blocks = [coeffs[i].astype(x.dtype) * symmetric_power(x, i) for i in range(3)]
     out = jnp.concatenate(blocks, axis=-1).astype(dtype)
-    return jnp.pad(out, [(0, 0)] * (x.ndim - 1) + [(0, width - out.shape[-1])])
+    return pad_features(out, width)
 
 
 def _polynomial2_features_fwd(x, coeffs, width, dtype):

@@ -58,6 +58,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax import optimizers as inner_opt
+from atlas_jax.features import pad_features
 from atlas_jax.linalg import product
 from atlas_jax.forms.common import (
     MemoryState,
@@ -691,15 +692,20 @@ def _super_chunk_rows(features, xs: Steps, window: WindowCache | None, n_sub, b,
     ms, dla 42.83 -> 39.98. The entering window cache's φ rows (raw k gone) are written over chunk
     0's first c − 1. (After a chunk of padding the window cache stays and these rows do not; only
     chunks of padding follow it, whose outputs and updates are dropped.)"""
-    n = b + n_window
     keys = xs.inputs.reshape((n_sub * b,) + xs.inputs.shape[2:])
     queries = xs.queries.reshape((n_sub * b,) + xs.queries.shape[2:])
-    src_rows = np.maximum(np.arange(n_sub)[:, None] * b - n_window + np.arange(n)[None, :], 0).reshape(-1)
-    raw = jnp.concatenate([keys[src_rows], queries.astype(keys.dtype)])
+    raw = jnp.concatenate([keys[_source_rows(n_sub, b, n_window).reshape(-1)], queries.astype(keys.dtype)])
     rows = raw if features is None else features(raw)
     if n_window:
         rows = jax.lax.dynamic_update_slice_in_dim(rows, window.inputs.astype(rows.dtype), 0, 0)
     return rows
+
+
+def _source_rows(n_sub, b, n_window):
+    """[S, n]: the row of the super-chunk's raw keys [S·b, d] that sub-chunk k's source j is,
+    k·b − (c − 1) + j; the entering window cache's rows (raw k gone) clipped to row 0, a stand-in
+    the caller overwrites."""
+    return np.maximum(np.arange(n_sub)[:, None] * b - n_window + np.arange(b + n_window)[None, :], 0)
 
 
 def _chain_covers(spec, params) -> bool:
@@ -777,9 +783,7 @@ def _chain_grams(kernel, raw_keys, raw_queries, cached, n_sub, b, n_window):
     the first chunk's window rows (raw k gone: the entering window cache) take their columns from
     the products with the cache's φ (``cached``, one (sources', queries') pair per chunk). Entries
     no chain reads (chunk 0's sources, later chunks' columns) hold finite values of other pairs."""
-    n = b + n_window
-    src_index = np.arange(n_sub)[:, None] * b - n_window + np.arange(n)[None, :]    # [S, n], < 0: cached
-    src_rows = np.maximum(src_index, 0)
+    src_rows = _source_rows(n_sub, b, n_window)
     columns = src_rows[None, None]
     f32 = lambda x: x.astype(jnp.float32)
     gram_src = f32(kernel.gram(raw_keys, raw_keys))[src_rows[:, :, None, None], columns]
@@ -908,7 +912,7 @@ class _WrappedFeatures:
 
     def as_dtype(self, x, dtype, width=None):
         y = self(x).astype(dtype)
-        return y if width is None else jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, width - y.shape[-1])])
+        return y if width is None else pad_features(y, width)
 
 
 class _AlignedFeatures(_WrappedFeatures):
@@ -919,8 +923,7 @@ class _AlignedFeatures(_WrappedFeatures):
         self.pad = pad
 
     def __call__(self, x):
-        y = self.features(x)
-        return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, self.pad)])
+        return pad_features(self.features(x), self.output_dim(x.shape[-1]))
 
     def as_dtype(self, x, dtype, width=None):
         return self.features.as_dtype(x, dtype, width or self.output_dim(x.shape[-1]))
