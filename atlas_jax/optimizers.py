@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax.linalg import gram as gram_matrix, product
 
@@ -214,7 +215,7 @@ _GRAM_MIN_ASPECT, _GRAM_MIN_SIZE = 4, 1 << 18
 
 
 def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7,
-                  operand_dtype: str = "float32", method: str = "auto") -> jax.Array:
+                  operand_dtype: str = "float32", method: str = "auto", residual_name: str | None = None) -> jax.Array:
     """Newton–Schulz orthogonalisation of a matrix (Muon): X ← aX + (bA + cA²)X, A = XXᵀ.
 
     Frobenius-normalised first (so every singular value starts ≤ 1); a tall matrix is transposed so
@@ -235,6 +236,14 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     (a GPU's default float32 matmul) 5.7e-3 (direct 5.6e-3), bf16 operands 5.1e-2 (direct 4.6e-2;
     `benchmarks/results/ns_gram_route_cpu_2026-11-26.md`).
     "auto": "gram" on matrices at least 4× longer than wide with ≥ 2¹⁸ entries, else "direct".
+
+    ``residual_name``: a `jax.ad_checkpoint.checkpoint_name` given to the norm and the Gram
+    matrices of x (the products that read all of it), so that a rematerialisation policy can keep
+    them: the dual form's chunks do, and their rematerialisation in the backward pass then forms
+    the n × n chain again from the kept Gram matrices rather than x's. atlas' layer (B1 T4096 H8
+    D128 bf16, NS per chunk, fwd+bwd, one command on an H200): 630.7 -> 609.0 ms, for 0.34 GiB
+    more compiled memory (XLA's analysis, CPU); naming the n × n chain's matrices too gave 610.3
+    ms for 2.2 GiB more (`benchmarks/results/atlas_ns_residuals_h200_2026-11-29.md`).
     With bf16 operands too: its difference is the direct route's order (above), it memorises the
     same (recall within 1e-3, `deep_memory_h200_2026-11-27f.md`), and atlas' layer (B1 T1024 H8
     D128, NS per chunk on bf16 operands, fwd+bwd, one command on an H200) takes 131.2 ms through
@@ -246,6 +255,7 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     # bf16 operands through `linalg.product`, whose backward casts the cotangent too (autodiff's
     # transposes would multiply it in float32 with a bf16 operand: TF32 products)
     low = None if operand_dtype == "float32" else jnp.dtype(NS_DTYPES[operand_dtype])
+    kept = (lambda u: u) if residual_name is None else (lambda u: checkpoint_name(u, residual_name))
     mm = lambda u, v: product(u, v, "nn", low)
     x = x.astype(jnp.float32)
     # A tall matrix keeps its layout: its Gram matrix is XᵀX and the polynomial multiplies from the
@@ -254,12 +264,12 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     tall = x.shape[-2] > x.shape[-1]
     # (`linalg.gram`: one state-sized product in its backward, x (g + gᵀ), where product(x, x)'s
     # backward takes two and their sum)
-    gram_of = lambda u: gram_matrix(u, "tn" if tall else "nt", low)
+    gram_of = lambda u: kept(gram_matrix(u, "tn" if tall else "nt", low))
     apply_left = (lambda left, u: product(u, left, "nt", low)) if tall else mm
     # A zero momentum (an empty packed row, a token without gradient) must give a zero direction
     # and a finite gradient: √ has an infinite derivative at 0, so take it only where it is > 0.
     sq = jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
-    norm = jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)
+    norm = kept(jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0))
     x = x / (norm + eps)
     short, long = min(x.shape[-2:]), max(x.shape[-2:])
     if method == "auto":
@@ -308,17 +318,17 @@ def _newton_schulz_gram(x, steps, coefficients, mm, gram_of, apply_left, short):
 
 
 def orthogonalize_tree(tree, steps, coefficients, eps, operand_dtype: str = "float32", matrix_ndim: int = 2,
-                       method: str = "auto"):
+                       method: str = "auto", residual_name: str | None = None):
     """Newton–Schulz on every matrix leaf (``matrix_ndim`` 3: a leading batch of matrices);
-    vectors/scalars pass through (as in Muon practice)."""
-    return jax.tree.map(lambda m: newton_schulz(m, steps, coefficients, eps, operand_dtype, method)
+    vectors/scalars pass through (as in Muon practice). ``residual_name``: `newton_schulz`'s."""
+    return jax.tree.map(lambda m: newton_schulz(m, steps, coefficients, eps, operand_dtype, method, residual_name)
                         if m.ndim == matrix_ndim else m, tree)
 
 
-def orthogonalize(tree, opt_info: OptimizerInfo, matrix_ndim: int = 2):
+def orthogonalize(tree, opt_info: OptimizerInfo, matrix_ndim: int = 2, residual_name: str | None = None):
     """``orthogonalize_tree`` with a muon's settings (its OptimizerInfo): what the chunked forms call."""
     return orthogonalize_tree(tree, opt_info.ns_steps, opt_info.ns_coefficients, opt_info.ns_eps,
-                              opt_info.ns_dtype, matrix_ndim, opt_info.ns_method)
+                              opt_info.ns_dtype, matrix_ndim, opt_info.ns_method, residual_name)
 
 
 NS_SCHEDULES = ("token", "chunk")

@@ -53,6 +53,22 @@ def test_newton_schulz_approaches_the_polar_factor():
     assert rel(opt.newton_schulz(m.T, 20, opt.CUBIC_COEFFICIENTS), polar.T) < 1e-3
 
 
+def test_newton_schulz_names_its_norm_and_gram_matrices_for_rematerialisation(capsys):
+    """``residual_name``: a policy that saves that name keeps the norm and the two Gram matrices of
+    the Gram route (restart included) and nothing x-sized but the input; the values are unchanged."""
+    from jax.ad_checkpoint import print_saved_residuals
+    m = jax.random.normal(jax.random.PRNGKey(1), (1024, 256))   # the Gram route: 4x tall, 2^18 entries
+    policy = jax.checkpoint_policies.save_only_these_names("ns_kept")
+    for name, kept in ((None, 0), ("ns_kept", 3)):
+        loss = jax.checkpoint(lambda x: jnp.sum(jnp.sin(opt.newton_schulz(x, 5, residual_name=name))), policy=policy)
+        print_saved_residuals(loss, m)
+        lines = capsys.readouterr().out.strip().splitlines()
+        named = [line for line in lines if "named 'ns_kept'" in line]
+        assert len(named) == kept and len(lines) == kept + 1, lines
+        assert sum("f32[256,256]" in line for line in named) == (2 if name else 0), lines
+    assert np.array_equal(opt.newton_schulz(m, 5, residual_name="ns_kept"), opt.newton_schulz(m, 5))
+
+
 def test_implicit_gd_is_longhorn_closed_form():
     """Longhorn: S_t = S_{t−1} + β/(1+β‖k‖²) k (v − S_{t−1}ᵀk)ᵀ, unnormalised keys."""
     q, k, v, beta, g = random_inputs(8, T=T)

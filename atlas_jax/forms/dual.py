@@ -106,7 +106,8 @@ FEATURE_PAD_MAX_FRACTION = 1 / 16
 # [n + b, h] products, the later layers' inputs and every layer's output cotangents), so the
 # chunk's rematerialisation skips them (above all the first layer's [n + b, d_φ] × [d_φ, h]);
 # φ itself is recomputed (cheap, and [n, d_φ] a chunk). Nothing θ-sized is kept: Newton–Schulz's
-# iterates are recomputed. B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command:
+# iterates are recomputed, from its norm and Gram matrices, which are kept (n × n; atlas B1 T4096
+# H8 D128 bf16 on an H200, one command: 630.7 -> 609.0 ms, +0.34 GiB compiled memory). B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command:
 # omeganet 41.3 -> 36.2 ms, atlas 176.0 -> 177.9 (Newton–Schulz dominates it); compiled memory at
 # B1 T4096 +0.08 GiB (omeganet).
 CHUNK_RESIDUAL = "dual_chunk_residual"
@@ -438,7 +439,7 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
         new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None)
     if opt_info.kind == "muon":   # ns_every="chunk": the chunk's steps along NS of the chunk-end momentum
         with jax.named_scope(SCOPES["newton_schulz"]):
-            direction = inner_opt.orthogonalize(new_momentum, opt_info)
+            direction = inner_opt.orthogonalize(new_momentum, opt_info, residual_name=CHUNK_RESIDUAL)
         acc_end = jax.tree.map(lambda a0, n: decay_end * a0 - terms.total_step * n, base0, direction)
     else:
         carry_end = None if terms.state_carry is None else terms.state_carry[-1]
