@@ -191,7 +191,7 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
     call}; else empty: an event's kernel is found by name among the HLO instructions (fusions keep their
     names as kernel names, "." written "_") and its op_name metadata says the scope; "bwd" when
     the op is in the transposed (backward) part. Custom kernels without HLO names count under
-    their own name."""
+    their own name. Every kernel's row (with its op_name) is written to ``trace_dir``/kernels.json."""
     import gzip
     import jax
 
@@ -212,9 +212,14 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
         sums[e["name"]] = (ms + e["dur"] / 1e3 / calls, count + 1)
     rows = sorted(((name, ms, count // calls) for name, (ms, count) in sums.items()), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
+    op_names = dict(re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text or ""))
+    # every kernel, not only the top ones, with its op_name where the HLO has it
+    with open(pathlib.Path(trace_dir) / "kernels.json", "w") as f:
+        json.dump([dict(name=name, ms=round(ms, 4), count=count,
+                        op=op_names.get(name) or op_names.get(re.sub(r"_(\d+)$", r".\1", name)))
+                   for name, ms, count in rows], f, indent=0)
     if not scopes:
         return rows[:top], total, {}
-    op_names = dict(re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text or ""))
     by_scope = {}
     for name, ms, _ in rows:
         op = op_names.get(name) or op_names.get(re.sub(r"_(\d+)$", r".\1", name))
