@@ -213,16 +213,16 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
     rows = sorted(((name, ms, count // calls) for name, (ms, count) in sums.items()), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
     op_names = dict(re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text or ""))
+    op_of = lambda name: op_names.get(name) or op_names.get(re.sub(r"_(\d+)$", r".\1", name))
     # every kernel, not only the top ones, with its op_name where the HLO has it
     with open(pathlib.Path(trace_dir) / "kernels.json", "w") as f:
-        json.dump([dict(name=name, ms=round(ms, 4), count=count,
-                        op=op_names.get(name) or op_names.get(re.sub(r"_(\d+)$", r".\1", name)))
-                   for name, ms, count in rows], f, indent=0)
+        json.dump([dict(name=name, ms=round(ms, 4), count=count, op=op_of(name)) for name, ms, count in rows],
+                  f, indent=0)
     if not scopes:
         return rows[:top], total, {}
     by_scope = {}
     for name, ms, _ in rows:
-        op = op_names.get(name) or op_names.get(re.sub(r"_(\d+)$", r".\1", name))
+        op = op_of(name)
         part = "other" if op else name
         for scope in scopes if op else ():
             if scope in op:

@@ -108,9 +108,8 @@ FEATURE_PAD_MAX_FRACTION = 1 / 16
 # φ itself is recomputed (cheap, and [n, d_φ] a chunk). Nothing θ-sized is kept: Newton–Schulz's
 # iterates are recomputed. B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command:
 # omeganet 41.3 -> 36.2 ms, atlas 176.0 -> 177.9 (Newton–Schulz dominates it); compiled memory at
-# B1 T4096 +0.08 GiB (omeganet). Newton–Schulz's norm and Gram matrices (n × n, each a product
-# reading all of the momentum) are kept too (`newton_schulz(residual_name=)`): atlas B1 T4096,
-# the same way, 630.7 -> 609.0 ms, +0.34 GiB compiled memory.
+# B1 T4096 +0.08 GiB (omeganet). Newton–Schulz's norm and Gram matrices (n × n) are kept too
+# (`newton_schulz`'s ``residual_name``, where it is measured).
 CHUNK_RESIDUAL = "dual_chunk_residual"
 # Chunks per θ formed in the grouped scan where the chunk end is linear in the chunk's gradients
 # (GD; `_super_chunk`): chunk k of a super-chunk takes its gradients at θ_B plus the low-rank
