@@ -443,23 +443,43 @@ def _bwd_kernel(r, cfg: _Cfg):
             x = lambda name: load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
         else:
             x = lambda name: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols))
-        a = r["a"][bh, i, :, :]
-        a = a if cfg.low else a.astype(F32)
-        e = operand(load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_)))
+        def operands_of_rows():   # the chunk's a and E
+            a_ = r["a"][bh, i, :, :]
+            a_ = a_ if cfg.low else a_.astype(F32)
+            return a_, operand(load_f32(r["y"], (bh, i, all_, all_)) - load_f32(r["t"], (bh, i, all_, all_)))
+
+        a, e = operands_of_rows()
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
+        if pairs:
+            mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
         hidden, slope, curve = act_grad2(cfg.activation, mm_(a, st("w0")))
         g = mm_nt_(e, st("w1"))                                # E W1ᵀ [n, bt]
         d0, g_curve = g * slope, g * curve
         if pairs:
+            # Ẑ's terms but its Ê one (Ĥ ⊙ σ' + A ⊙ G ⊙ σ''), Q and r̂'s first terms are formed
+            # before the head sum and a and E loaded again after it, so that A, σ'', a and E do
+            # not stay live through it: titans' layer at B1 T16384 H8 (16-wide tiles)
+            # 0.967-0.970 of the order below on an H200, two commands. Not the unpaired path: at B4
+            # (64-wide tiles) this order took 1.006 and with the loads 1.030
+            # (benchmarks/results/titans_backward_order_h200_2026-11-29.md).
             ax0, axm = halves(mm_(a, operand(block["0"]())))     # a X0, a M0 [n, bt]
+            big_a, drows = rows * ax0, jnp.sum(d0 * ax0, axis=1)
+            big_a, dmrows = big_a + mrows * axm, jnp.sum(d0 * axm, axis=1)
+            if cfg.sources:   # what the returned D of this chunk receives
+                big_a = big_a + load_f32(r["c_d0"], (bh, i, all_, cols))
+            curvature, q = big_a * g_curve, operand(big_a * slope)
             ex1, em1 = halves(mm_nt_(e, operand(block["1"]())))  # E X1ᵀ, E M1ᵀ [n, bt]
-            big_a, h_hat = rows * ax0, rows * ex1
-            r["drows"][bh, i, j, :] = jnp.sum(d0 * ax0 + hidden * ex1, axis=1)
-            mrows = load_f32(r["mrows"], (bh, i, all_))[:, None]
-            big_a, h_hat = big_a + mrows * axm, h_hat + mrows * em1
-            r["dmrows"][bh, i, j, :] = jnp.sum(d0 * axm + hidden * em1, axis=1)
+            h_hat = rows * ex1
+            r["drows"][bh, i, j, :] = drows + jnp.sum(hidden * ex1, axis=1)
+            h_hat = h_hat + mrows * em1
+            r["dmrows"][bh, i, j, :] = dmrows + jnp.sum(hidden * em1, axis=1)
+            if cfg.sources:   # what the returned H of this chunk receives
+                h_hat = h_hat + load_f32(r["c_hidden"], (bh, i, all_, cols))
+            z_base = h_hat * slope + curvature
+            z_hat_of = lambda e_w1: z_base + e_w1 * slope      # Ẑ from its Ê term, Ê W1ᵀ
             # (r ⊙ H) X1 + (ρ ⊙ H) M1 as one product
             e_share = mm_(operand(side_by_side(rows * hidden, mrows * hidden)), operand(block["1"]()))
+            hidden = operand(hidden)   # from here only a product's operand
         else:
             ax0 = mm_(a, operand(x("w0")))
             # rowsum(E ⊙ H X1) = rowsum(H ⊙ E X1ᵀ): r̂'s two terms in one [n, bt] reduction, and
@@ -475,10 +495,11 @@ def _bwd_kernel(r, cfg: _Cfg):
                 big_a, h_hat = big_a + mrows * axm, h_hat + mrows * em1
                 r["dmrows"][bh, i, j, :] = jnp.sum(d0 * axm + hidden * em1, axis=1)
                 e_share = e_share + mrows * mm_(operand(hidden), operand(x("m1")))
-        if cfg.sources:   # what the returned H and D of this chunk receive
-            big_a = big_a + load_f32(r["c_d0"], (bh, i, all_, cols))
-            h_hat = h_hat + load_f32(r["c_hidden"], (bh, i, all_, cols))
-        q = big_a * slope
+            if cfg.sources:   # what the returned H and D of this chunk receive
+                big_a = big_a + load_f32(r["c_d0"], (bh, i, all_, cols))
+                h_hat = h_hat + load_f32(r["c_hidden"], (bh, i, all_, cols))
+            q = big_a * slope
+            z_hat_of = lambda e_w1: (h_hat + e_w1) * slope + big_a * g_curve
         slot = lax.rem(k, 2)
         r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st("w1"))
         e_hat, stuck = _head_sum(cfg, r, bh, j, k, stuck)
@@ -492,7 +513,9 @@ def _bwd_kernel(r, cfg: _Cfg):
             e_hat = e_hat + load_f32(r["c_y"], (bh, i, all_, all_))
         e_res = e_hat if cfg.residual else None
         e_hat = operand(e_hat)
-        z_hat = (h_hat + mm_nt_(e_hat, st("w1"))) * slope + big_a * g_curve
+        z_hat = z_hat_of(mm_nt_(e_hat, st("w1")))
+        if pairs:
+            a, e = operands_of_rows()
 
         if pairs:   # (r ⊙ D) X0ᵀ + (ρ ⊙ D) M0ᵀ as one product
             da = mm_nt_(operand(z_hat), st("w0"))
