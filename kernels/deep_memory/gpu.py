@@ -77,7 +77,10 @@ at B1 T16384 takes 21.84 against 24.53 ms; at B4 (64-wide tiles on 4 warps) the 
 spill, 23.00 against 18.93 (H200, one command each, 2026-11-28), so by default only 16-wide tiles
 pair. The kept cotangents are then a buffer of their own rather than written over the start
 states' cotangents: one more [B·H, N, θ + momentum] float32 buffer on the route that loads those
-(2 GiB at B1 T16384 H8).
+(2 GiB at B1 T16384 H8). With its few values a thread, the paired path also loads the tiles its
+products take once a chunk, forms Ẑ's terms but its Ê one before the head sum and loads a and E
+again after it: titans' layer at B1 T16384 0.970, then 0.983 (H200, one command each; the
+unpaired path at B4, where the same order cost 1.006-1.030, keeps its own; `_bwd_kernel`'s notes).
 
 Interpret mode runs programs one after another, so a barrier between programs can never be met
 there: in interpret mode the kernel runs with one tile per head (block_hidden = h), the same
@@ -425,10 +428,10 @@ def _bwd_kernel(r, cfg: _Cfg):
 
     def chunk(k, stuck, last):
         i = N - 1 - k
-        # Tiles are loaded where they are used, again where used again (the forward kernel's note):
-        # the start state's from s_, the carried cotangent X / M (chunk i's end state's) from df_
-        # for the last chunk, else from g_[i + 1] (this program's own writes of the chunk before,
-        # behind the CTA barrier).
+        # Tiles are loaded where they are used, again where used again (the forward kernel's note;
+        # the paired path loads its products' tiles once, below): the start state's from s_, the
+        # carried cotangent X / M (chunk i's end state's) from df_ for the last chunk, else from
+        # g_[i + 1] (this program's own writes of the chunk before, behind the CTA barrier).
         st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
         if pairs:
             # tile j's X0 and M0 columns side by side in one buffer (X1 and M1 rows), so that the
@@ -522,10 +525,9 @@ def _bwd_kernel(r, cfg: _Cfg):
         e_res = e_hat if cfg.residual else None
         e_hat = operand(e_hat)
         z_hat = z_hat_of(mm_nt_(e_hat, st("w1")))
-        if pairs:
-            a, e = operands_of_rows()
 
         if pairs:   # (r ⊙ D) X0ᵀ + (ρ ⊙ D) M0ᵀ as one product
+            a, e = operands_of_rows()
             da = mm_nt_(operand(z_hat), st("w0"))
             da = da + mm_nt_(operand(side_by_side(rows * d0, mrows * d0)), operand(block["0"]()))
         else:
