@@ -439,8 +439,8 @@ def _bwd_kernel(r, cfg: _Cfg):
             at = (bh,) if last else (bh, i + 1)
             src = {"0": r["df_x0" if last else "g_x0"], "1": r["df_x1" if last else "g_x1"]}
             pair = pl.ds(pl.multiple_of(2 * j * bt, 2 * bt), 2 * bt)
-            block = {"0": lambda: load_f32(src["0"], at + (all_, pair)),
-                     "1": lambda: load_f32(src["1"], at + (pair, all_))}
+            load_pair = {"0": lambda: load_f32(src["0"], at + (all_, pair)),
+                         "1": lambda: load_f32(src["1"], at + (pair, all_))}
             x = lambda name: load_f32(src[name[1]], at + _tile_index(name, _half(j, bt, name)))
         elif last:
             x = lambda name: load_f32(r["df_" + name], (bh,) + _tile_index(name, cols))
@@ -459,10 +459,8 @@ def _bwd_kernel(r, cfg: _Cfg):
             # the products' dtype) once, at the chunk's start, rather than where each product is:
             # 16-wide tiles are few values a thread, and the chain waits on each load (titans B1
             # T16384 H8 0.983 on an H200, one command; the start tiles alone 0.991)
-            start_tiles = {name: operand(st(name)) for name in ("w0", "w1")}
-            st = start_tiles.__getitem__
-            pair_tiles = {k: operand(load()) for k, load in block.items()}
-            block = {k: (lambda v=v: v) for k, v in pair_tiles.items()}
+            st = {name: operand(st(name)) for name in ("w0", "w1")}.__getitem__
+            block = {k: operand(load()) for k, load in load_pair.items()}   # [X0 | M0], [X1; M1]
         hidden, slope, curve = act_grad2(cfg.activation, mm_(a, st("w0")))
         g = mm_nt_(e, st("w1"))                                # E W1ᵀ [n, bt]
         d0, g_curve = g * slope, g * curve
@@ -473,13 +471,13 @@ def _bwd_kernel(r, cfg: _Cfg):
             # 0.967-0.970 of the order below on an H200, two commands. Not the unpaired path: at B4
             # (64-wide tiles) this order took 1.006 and with the loads 1.030
             # (benchmarks/results/titans_backward_order_h200_2026-11-29.md).
-            ax0, axm = halves(mm_(a, operand(block["0"]())))     # a X0, a M0 [n, bt]
+            ax0, axm = halves(mm_(a, block["0"]))     # a X0, a M0 [n, bt]
             big_a, drows = rows * ax0, jnp.sum(d0 * ax0, axis=1)
             big_a, dmrows = big_a + mrows * axm, jnp.sum(d0 * axm, axis=1)
             if cfg.sources:   # what the returned D of this chunk receives
                 big_a = big_a + load_f32(r["c_d0"], (bh, i, all_, cols))
             curvature, q = big_a * g_curve, operand(big_a * slope)
-            ex1, em1 = halves(mm_nt_(e, operand(block["1"]())))  # E X1ᵀ, E M1ᵀ [n, bt]
+            ex1, em1 = halves(mm_nt_(e, block["1"]))  # E X1ᵀ, E M1ᵀ [n, bt]
             h_hat = rows * ex1
             r["drows"][bh, i, j, :] = drows + jnp.sum(hidden * ex1, axis=1)
             h_hat = h_hat + mrows * em1
@@ -489,7 +487,7 @@ def _bwd_kernel(r, cfg: _Cfg):
             z_base = h_hat * slope + curvature
             z_hat_of = lambda e_w1: z_base + e_w1 * slope      # Ẑ from its Ê term, Ê W1ᵀ
             # (r ⊙ H) X1 + (ρ ⊙ H) M1 as one product
-            e_share = mm_(operand(side_by_side(rows * hidden, mrows * hidden)), operand(block["1"]()))
+            e_share = mm_(operand(side_by_side(rows * hidden, mrows * hidden)), block["1"])
             hidden = operand(hidden)   # from here only a product's operand
         else:
             ax0 = mm_(a, operand(x("w0")))
@@ -529,7 +527,7 @@ def _bwd_kernel(r, cfg: _Cfg):
         if pairs:   # (r ⊙ D) X0ᵀ + (ρ ⊙ D) M0ᵀ as one product
             a, e = operands_of_rows()
             da = mm_nt_(operand(z_hat), st("w0"))
-            da = da + mm_nt_(operand(side_by_side(rows * d0, mrows * d0)), operand(block["0"]()))
+            da = da + mm_nt_(operand(side_by_side(rows * d0, mrows * d0)), block["0"])
         else:
             da = mm_nt_(operand(rows * d0), operand(x("w0"))) + mm_nt_(operand(z_hat), st("w0"))
             if cfg.momentum:
