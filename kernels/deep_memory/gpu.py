@@ -263,24 +263,41 @@ def _tile_sum(ref, bh, slot, tiles, shape, rows=slice(None)):
                          jnp.zeros(shape, F32))
 
 
-def _head_sum(cfg, r, bh, j, step, stuck):
+def _when(owner, store):
+    """``store()`` where ``owner``, a traced bool or True (Triton's lowering of a constant
+    condition fails)."""
+    if owner is True:
+        store()
+    else:
+        pl.when(owner)(store)
+
+
+def _head_sum(cfg, r, bh, j, step, stuck, finish):
     """Σ over the head's tiles of the shares they stored in r["share"] at ``step`` (the chunk's
-    barrier included); returns (the sum [n, dv] float32, stuck). Where a head's tiles divide the
-    rows, in two stages: tile j adds every tile's rows of block j into r["total"], a second
-    barrier, then every tile loads the total — an eighth of the loads of every tile adding every
-    share (titans B4 T4096: eight tiles of [64, 128] each; the layer's fwd+bwd 22.52 -> 21.41 ms on
-    an H200, one command)."""
+    barrier included), then ``finish``; returns (the result [n, dv] float32, NaN where a spin gave
+    up, and stuck). ``finish(rows, total, stuck, owner)`` takes the sum of those rows and returns
+    what every tile receives of them (the forward: E = Y − targets; the backward: Ê with Y's
+    cotangent); it may store outputs of those rows where ``owner`` (`_when`; True: this program
+    forms those rows alone). Where a head's tiles divide the rows, in two stages: tile j adds
+    every tile's rows of block j and finishes them into r["total"], a second barrier, then every
+    tile loads the total — an eighth of the loads of every tile adding every share (titans B4
+    T4096: eight tiles of [64, 128] each; the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one
+    command), and the float32 [n, dv] tiles ``finish`` loads (targets, Y's cotangent) are loaded
+    once a head, a block by each tile, rather than whole by every tile (18.15 -> 17.69 ms at B4,
+    18.50 -> 17.08 at B1 T16384, one command each)."""
     tiles, slot = cfg.tiles, lax.rem(step, 2)
     n, dv = r["share"].shape[-2:]
-    if tiles == 1 or n % tiles:   # one barrier a step
+    if tiles == 1 or n % tiles:   # one barrier a step; tile 0 owns every row
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (step + 1)))
-        return _tile_sum(r["share"], bh, slot, tiles, (n, dv)), stuck
+        total = finish(slice(None), _tile_sum(r["share"], bh, slot, tiles, (n, dv)), stuck, j == 0)
+        return jnp.where(stuck, jnp.nan, total), stuck
     stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (2 * step + 1)))
     block = n // tiles
     rows = pl.ds(pl.multiple_of(j * block, block), block)
-    r["total"][bh, slot, rows, :] = _tile_sum(r["share"], bh, slot, tiles, (block, dv), rows)
+    total = _tile_sum(r["share"], bh, slot, tiles, (block, dv), rows)
+    r["total"][bh, slot, rows, :] = finish(rows, total, stuck, True)
     stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (2 * step + 2)))
-    return plgpu.load(r["total"].at[bh, slot], volatile=True), stuck
+    return jnp.where(stuck, jnp.nan, plgpu.load(r["total"].at[bh, slot], volatile=True)), stuck
 
 
 def _names(cfg):
@@ -329,16 +346,15 @@ def _fwd_kernel(r, cfg: _Cfg):
             r["o_hidden"][bh, i, :, cols] = hidden.astype(r["o_hidden"].dtype)
         slot = lax.rem(i, 2)
         r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start("w1"))
-        y, stuck = _head_sum(cfg, r, bh, j, i, stuck)
-        if cfg.residual:
-            y = y + a.astype(F32)
-        y = jnp.where(stuck, jnp.nan, y)
 
-        @pl.when(j == 0)
-        def _():
-            r["y"][bh, i, :, :] = y
+        def finish(rows, y, stuck, owner):   # Y's rows stored, E's returned
+            if cfg.residual:
+                y = y + load_f32(r["a"], (bh, i, rows, all_))
+            y = jnp.where(stuck, jnp.nan, y)
+            _when(owner, lambda: r["y"].__setitem__((bh, i, rows, all_), y))
+            return y - load_f32(r["t"], (bh, i, rows, all_))
 
-        e = y - load_f32(r["t"], (bh, i, all_, all_))
+        e, stuck = _head_sum(cfg, r, bh, j, i, stuck, finish)
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         decay = _scalar(r["decay"], bh, i)
         d0 = mm_nt_(e, start("w1")) * slope
@@ -515,15 +531,15 @@ def _bwd_kernel(r, cfg: _Cfg):
             z_hat_of = lambda e_w1: (h_hat + e_w1) * slope + big_a * g_curve
         slot = lax.rem(k, 2)
         r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st("w1"))
-        e_hat, stuck = _head_sum(cfg, r, bh, j, k, stuck)
-        e_hat = jnp.where(stuck, jnp.nan, e_hat)
 
-        @pl.when(j == 0)
-        def _():
-            r["dt"][bh, i, :, :] = -e_hat
+        def finish(rows, e_hat, stuck, owner):   # the targets' rows stored, Ê's returned
+            e_hat = jnp.where(stuck, jnp.nan, e_hat)
+            _when(owner, lambda: r["dt"].__setitem__((bh, i, rows, all_), -e_hat))
+            if cfg.sources:   # the returned Y's cotangent joins E's after the targets took theirs
+                e_hat = e_hat + load_f32(r["c_y"], (bh, i, rows, all_))
+            return e_hat
 
-        if cfg.sources:   # the returned Y's cotangent joins E's after the targets took theirs
-            e_hat = e_hat + load_f32(r["c_y"], (bh, i, all_, all_))
+        e_hat, stuck = _head_sum(cfg, r, bh, j, k, stuck, finish)
         e_res = e_hat if cfg.residual else None
         e_hat = operand(e_hat)
         z_hat = z_hat_of(mm_nt_(e_hat, st("w1")))
