@@ -275,10 +275,10 @@ def _when(owner, store):
 def _head_sum(cfg, r, bh, j, step, stuck, finish):
     """Σ over the head's tiles of the shares they stored in r["share"] at ``step`` (the chunk's
     barrier included), then ``finish``; returns (the result [n, dv] float32, NaN where a spin gave
-    up, and stuck). ``finish(rows, total, stuck, owner)`` takes the sum of those rows and returns
-    what every tile receives of them (the forward: E = Y − targets; the backward: Ê with Y's
-    cotangent); it may store outputs of those rows where ``owner`` (`_when`; True: this program
-    forms those rows alone). Where a head's tiles divide the rows, in two stages: tile j adds
+    up, and stuck). ``finish(rows, total, owner)`` takes the sum of those rows (NaN already where a
+    spin gave up, so what it stores is poisoned too) and returns what every tile receives of them
+    (the forward: E = Y − targets; the backward: Ê with Y's cotangent); it may store outputs of
+    those rows where ``owner`` (`_when`; True: this program forms those rows alone). Where a head's tiles divide the rows, in two stages: tile j adds
     every tile's rows of block j and finishes them into r["total"], a second barrier, then every
     tile loads the total — an eighth of the loads of every tile adding every share (titans B4
     T4096: eight tiles of [64, 128] each; the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one
@@ -289,13 +289,13 @@ def _head_sum(cfg, r, bh, j, step, stuck, finish):
     n, dv = r["share"].shape[-2:]
     if tiles == 1 or n % tiles:   # one barrier a step; tile 0 owns every row
         stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (step + 1)))
-        total = finish(slice(None), _tile_sum(r["share"], bh, slot, tiles, (n, dv)), stuck, j == 0)
-        return jnp.where(stuck, jnp.nan, total), stuck
+        total = _tile_sum(r["share"], bh, slot, tiles, (n, dv))
+        return finish(slice(None), jnp.where(stuck, jnp.nan, total), j == 0), stuck
     stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (2 * step + 1)))
     block = n // tiles
     rows = pl.ds(pl.multiple_of(j * block, block), block)
     total = _tile_sum(r["share"], bh, slot, tiles, (block, dv), rows)
-    r["total"][bh, slot, rows, :] = finish(rows, total, stuck, True)
+    r["total"][bh, slot, rows, :] = finish(rows, jnp.where(stuck, jnp.nan, total), True)
     stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (2 * step + 2)))
     return jnp.where(stuck, jnp.nan, plgpu.load(r["total"].at[bh, slot], volatile=True)), stuck
 
@@ -347,10 +347,9 @@ def _fwd_kernel(r, cfg: _Cfg):
         slot = lax.rem(i, 2)
         r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start("w1"))
 
-        def finish(rows, y, stuck, owner):   # Y's rows stored, E's returned
+        def finish(rows, y, owner):   # Y's rows stored, E's returned
             if cfg.residual:
                 y = y + load_f32(r["a"], (bh, i, rows, all_))
-            y = jnp.where(stuck, jnp.nan, y)
             _when(owner, lambda: r["y"].__setitem__((bh, i, rows, all_), y))
             return y - load_f32(r["t"], (bh, i, rows, all_))
 
@@ -469,7 +468,7 @@ def _bwd_kernel(r, cfg: _Cfg):
             x = lambda name: load_f32(r["g_" + name], (bh, i + 1) + _tile_index(name, cols))
         def operands_of_rows():   # the chunk's a and E, as stored (E in the products' dtype)
             a_ = r["a"][bh, i, :, :]
-            return (a_, r["e"][bh, i, :, :]) if cfg.low else (a_.astype(F32), r["e"][bh, i, :, :])
+            return (a_ if cfg.low else a_.astype(F32)), r["e"][bh, i, :, :]
 
         a, e = operands_of_rows()
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
@@ -532,8 +531,7 @@ def _bwd_kernel(r, cfg: _Cfg):
         slot = lax.rem(k, 2)
         r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st("w1"))
 
-        def finish(rows, e_hat, stuck, owner):   # the targets' rows stored, Ê's returned
-            e_hat = jnp.where(stuck, jnp.nan, e_hat)
+        def finish(rows, e_hat, owner):   # the targets' rows stored, Ê's returned
             _when(owner, lambda: r["dt"].__setitem__((bh, i, rows, all_), -e_hat))
             if cfg.sources:   # the returned Y's cotangent joins E's after the targets took theirs
                 e_hat = e_hat + load_f32(r["c_y"], (bh, i, rows, all_))
