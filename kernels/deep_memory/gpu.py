@@ -278,9 +278,9 @@ def _head_sum(cfg, r, bh, j, step, stuck, finish):
     up, and stuck). ``finish(rows, total, owner)`` takes the sum of those rows (NaN already where a
     spin gave up, so what it stores is poisoned too) and returns what every tile receives of them
     (the forward: E = Y − targets; the backward: Ê with Y's cotangent); it may store outputs of
-    those rows where ``owner`` (`_when`; True: this program forms those rows alone). Where a head's tiles divide the rows, in two stages: tile j adds
-    every tile's rows of block j and finishes them into r["total"], a second barrier, then every
-    tile loads the total — an eighth of the loads of every tile adding every share (titans B4
+    those rows where ``owner`` (`_when`; True: this program forms those rows alone). Where a
+    head's tiles divide the rows, in two stages: tile j adds every tile's rows of block j and
+    finishes them into r["total"], a second barrier, then every tile loads the total — an eighth of the loads of every tile adding every share (titans B4
     T4096: eight tiles of [64, 128] each; the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one
     command), and the float32 [n, dv] tiles ``finish`` loads (targets, Y's cotangent) are loaded
     once a head, a block by each tile, rather than whole by every tile (18.15 -> 17.69 ms at B4,
