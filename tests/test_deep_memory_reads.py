@@ -31,7 +31,6 @@ from atlas_jax.forms import chunked, dual
 from atlas_jax.kernels.deep_memory.gpu_reads import MLPReadsGpuBlockSizes
 from atlas_jax.ops import deep_memory
 from atlas_jax.ops.deep_memory import MLPSources, MLPStates
-from atlas_jax.ops.deep_memory import reads as reads_module
 from atlas_jax.ops.deep_memory.reads import mlp_reads, mlp_state_pass_and_reads
 
 BF16_TOL = 2e-2
@@ -83,19 +82,17 @@ def test_reads_kernel_equals_reference(momentum, residual, activation, dtype):
             assert tree_rel(jax.tree.map(lambda x: x.astype(jnp.float32), g), w) <= tol, (name, tree_rel(g, w))
 
 
-@pytest.mark.parametrize("name,joint", [("titans", True), ("residual_window", False)])
-def test_memory_spec_with_reads_on_the_kernel_equals_the_dual_form(name, joint, monkeypatch):
-    """The reads on the kernels, with the state pass in one custom VJP (`mlp_state_pass_and_reads`,
-    joint) or after it (`mlp_reads`), forced for float32 inputs too (the route takes them for bf16
-    ones), so that the comparison with the dual form in XLA holds at float32 rounding: titans
-    (momentum) on the joint route and a residual MLP with an Omega window of 3 (n = b + 2 sources a
-    chunk) on the separate one, T = 37 in chunks of 16 (each route and memory once: CI time)."""
+@pytest.mark.parametrize("name", ["titans", "residual_window"])
+def test_memory_spec_with_reads_on_the_kernel_equals_the_dual_form(name, monkeypatch):
+    """The reads on the kernels, with the state pass in one custom VJP (`mlp_state_pass_and_reads`),
+    forced for float32 inputs too (the route takes them for bf16 ones), so that the comparison with
+    the dual form in XLA holds at float32 rounding: titans (momentum) and a residual MLP with an
+    Omega window of 3 (n = b + 2 sources a chunk), T = 37 in chunks of 16."""
     monkeypatch.setattr(dual, "_reads_on_kernel", lambda low_precision, terms: terms.src_scale is None)
-    monkeypatch.setattr(deep_memory, "joint_pass_pays", lambda hidden, sequences_heads: joint)
     calls = []
-    owner, name_ = (deep_memory, "mlp_state_pass_and_reads") if joint else (reads_module, "mlp_reads")
-    real = getattr(owner, name_)
-    monkeypatch.setattr(owner, name_, lambda *a, **k: calls.append(k["impl"]) or real(*a, **k))
+    real = deep_memory.mlp_state_pass_and_reads
+    monkeypatch.setattr(deep_memory, "mlp_state_pass_and_reads",
+                        lambda *a, **k: calls.append(k["impl"]) or real(*a, **k))
     spec = SPECS[name]()
     args = _spec_inputs(spec, 3)
     with chunked.dual_form():
@@ -105,15 +102,6 @@ def test_memory_spec_with_reads_on_the_kernel_equals_the_dual_form(name, joint, 
     assert rel(o, o_r) <= TOL and tree_rel(f, f_r) <= TOL
     for label, a, b in zip(("q", "k", "v", "knobs", "theta0"), g, g_r):
         assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
-
-
-def test_joint_pass_pays_where_the_backward_tiles_are_full_width(monkeypatch):
-    import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
-
-    monkeypatch.setattr(gpu_kernels, "_multiprocessors", lambda: 132)
-    assert deep_memory.joint_pass_pays(512, 32)        # titans B4 H8: 64-wide backward tiles
-    assert not deep_memory.joint_pass_pays(512, 8)     # B1 H8: 16-wide ones
-    assert deep_memory.joint_pass_pays(32, 8)          # a hidden width below a tile
 
 
 def _joint_outputs_and_grads(impl, dtype=jnp.float32, interpret=True, B=1, H=2, N=3, b=9, n=11, d=8, h=32, dv=8):
@@ -224,11 +212,10 @@ def test_gpu_compiled_reads_kernel_equals_reference(dtype, sizes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("joint", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, joint, monkeypatch):
+def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, monkeypatch):
     """titans (hidden 128 float32, 512 bf16: several tiles a head in both kernels) with its reads on
-    the kernels, with the state pass in one custom VJP (joint) or apart, float32 forced onto that
+    the kernels, with the state pass in one custom VJP, float32 forced onto that
     route (1e-5) and bf16 as impl="pallas" takes it: against the core's chunked form on the same
     bf16 inputs within 1e-2 (issue 21's bf16 bar), and against the float32 dual form on the
     bf16-rounded inputs within 2e-2 outputs and state, 5e-2 gradients (test_deep_memory_kernel's
@@ -236,7 +223,6 @@ def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, joint,
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(dual, "_reads_on_kernel", lambda low_precision, terms: terms.src_scale is None)
-    monkeypatch.setattr(deep_memory, "joint_pass_pays", lambda hidden, sequences_heads: joint)
     # float32's split-operand products compile faster at a narrower hidden width (test_deep_memory_kernel)
     spec = presets.get("titans", hidden=128 if dtype == jnp.float32 else None)
     q, k, v, knobs, state = _spec_inputs(spec, 9, B=2, T=300, H=2, K=128, V=128)

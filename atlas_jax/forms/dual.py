@@ -1070,26 +1070,11 @@ def _split_reads(spec, starts: MemoryState, final: MemoryState, terms: ChunkTerm
 
 def _reads_on_kernel(low_precision: bool, terms: ChunkTerms) -> bool:
     """Whether `dual_batched_kernel` runs the reads on the GPU kernels, with the state pass in one
-    custom VJP (`ops.deep_memory.mlp_state_pass_and_reads`) or after it (`_kernel_reads`), as
-    `ops.deep_memory.joint_pass_pays` says: bf16 inputs on a GPU (float32 ones keep XLA's reads, as
-    they keep XLA's state pass under impl="auto"; on a TPU the reads have no kernel), gradients at
-    θ₀ (`kernel_gap` has checked the rest: a depth-2 MLP, ℓ2, no chunk-end map)."""
+    custom VJP (`ops.deep_memory.mlp_state_pass_and_reads`): bf16 inputs on a GPU (float32 ones
+    keep XLA's reads, as they keep XLA's state pass under impl="auto"; on a TPU the reads have no
+    kernel), gradients at θ₀ (`kernel_gap` has checked the rest: a depth-2 MLP, ℓ2, no chunk-end
+    map)."""
     return low_precision and jax.default_backend() != "tpu" and terms.src_scale is None
-
-
-def _kernel_reads(spec, starts, terms: ChunkTerms, a, sources):
-    """`_split_reads` on the reads' kernel (``ops.deep_memory.mlp_reads``, impl "pallas": a forward
-    kernel, a backward of XLA's batched products) from the state pass's starts and sources
-    [B, H, N, ...], where the pass and the reads run apart (`ops.deep_memory.joint_pass_pays`).
-    The op forms φ(q)·φ(k_s) as the product of the φ rows, where the form may take it through φ's
-    kernel. titans' layer, bf16 fwd+bwd on an H200, one command each against XLA's reads: B4
-    T4096 H8 D128 20.55 -> 19.87 ms, B1 T16384 24.63 -> 24.28 (`kernels.deep_memory.gpu_reads`)."""
-    from atlas_jax.ops.deep_memory.reads import mlp_reads
-
-    errors = spec.objective.output_grad(sources.y, terms.src_targets, terms.src_delta)
-    return mlp_reads(starts, terms.queries.astype(a.dtype), a, sources, errors, terms.from_start, terms.state_carry,
-                     terms.state_rows, activation=spec.memory.activation, residual=spec.memory.residual,
-                     impl="pallas")
 
 
 def keeps_every_chunk_state(state: MemoryState, chunk_size: int, boundary_bytes_per_token=None) -> bool:
@@ -1147,9 +1132,13 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
         return MemoryState({"W0": k.w0, "W1": k.w1}, opt_state, None, None)
 
     on_kernel = _reads_on_kernel(low_precision, terms)
-    if on_kernel and deep_memory.joint_pass_pays(state.params["W0"].shape[-1], a.shape[0] * a.shape[1]):
+    if on_kernel:
         # The pass and the reads in one custom VJP: the reads' start-state cotangents reach the
-        # pass's backward kernel as their rank-b factors (`ops.deep_memory.mlp_state_pass_and_reads`).
+        # pass's backward kernel as their rank-b factors (`ops.deep_memory.mlp_state_pass_and_reads`),
+        # rather than XLA writing them θ-sized for the kernel to load. titans' layer, bf16 fwd+bwd on
+        # an H200 against the two ops apart, one command each: B4 T4096 H8 D128 0.940 (2026-11-28),
+        # B1 T16384 0.962 (2026-11-29, 17.01 -> 16.37 ms; 1.022 on 2026-11-28, before the backward
+        # kernel's paired products and fewer whole-row loads).
         with jax.named_scope(SCOPES["state_pass"]):
             final_k, outputs = deep_memory.mlp_state_pass_and_reads(
                 *pass_args, terms.queries.astype(a.dtype), terms.from_start, terms.state_carry, terms.state_rows,
@@ -1168,11 +1157,8 @@ def dual_batched_kernel(spec, state: MemoryState, steps: Steps, *, chunk_size: i
                                  state.opt_state)
         starts, final = as_state(starts_k, per_chunk), as_state(final_k, state.opt_state)
         with jax.named_scope(SCOPES["reads"]):
-            if on_kernel:
-                outputs = _kernel_reads(spec, starts_k, terms, a, sources)
-            else:
-                read = lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src, operand_dtype(low_precision))
-                outputs = vmap2(read)(starts, final, terms, sources)
+            read = lambda st, fi, tm, src: _split_reads(spec, st, fi, tm, src, operand_dtype(low_precision))
+            outputs = vmap2(read)(starts, final, terms, sources)
     window = None if state.window is None else jax.tree.map(lambda x: x[:, :, -1], terms.next_window)
     outputs = outputs.reshape(outputs.shape[:2] + (n_chunks * b,) + outputs.shape[4:])
     return final._replace(window=window), outputs

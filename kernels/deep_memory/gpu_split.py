@@ -11,14 +11,15 @@ the state pass's as `MLPSources` cotangents (H̄, D̄, and Ē as Y's, −Ē the 
 Layouts: the state pass's [B·H, N, ...] and the reads' [P = B·H·N, ...] are one array reshaped;
 every size is padded as both kernels pad it (`support.run_padded`, `gpu_reads`).
 
-Measured on an H200 (2026-11-28, titans' layer, bf16 fwd+bwd, one command each against the two
-ops apart; benchmarks/results/titans_reads_kernel_h200_2026-11-28.md): B4 T4096 H8 D128 19.91 ->
-18.72 ms, B1 T16384 24.22 -> 24.74 (at B1 H8 the backward kernel runs 16-wide tiles in a
-latency-bound chain, where four more products a chunk cost more than the loads they save: the
-dual form takes it where `ops.deep_memory.joint_pass_pays`). Tested in interpret mode (one tile a
-head) against the references, and compiled on the same H200 inside titans' layer in float32
-(hidden 128, eight backward tiles a head) against the dual form at 1e-5; its compiled bf16 case
-was not checked (`tests/test_deep_memory_reads.py`'s gpu cases).
+Measured on an H200 (titans' layer, bf16 fwd+bwd, one command each against the two ops apart):
+B4 T4096 H8 D128 19.91 -> 18.72 ms (2026-11-28,
+benchmarks/results/titans_reads_kernel_h200_2026-11-28.md); B1 T16384 17.01 -> 16.37 (2026-11-29,
+benchmarks/results/titans_ablations_h200_2026-11-29.md; 24.22 -> 24.74 on 2026-11-28, before the
+backward kernel's paired products and fewer whole-row loads), so the dual form takes it for every
+bf16 call on a GPU. Tested in interpret mode (one tile a head) against the references, and
+compiled on an H200 inside titans' layer against the dual form: float32 (hidden 128, eight
+backward tiles a head) at 1e-5, and bf16 (hidden 512, 16-wide paired backward tiles, 2026-11-29)
+within 1e-2 of the chunked form (`tests/test_deep_memory_reads.py`'s gpu cases).
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from atlas_jax.ops.deep_memory.state_pass import (
     mlp_state_pass_reference,
 )
 from atlas_jax.ops.deep_memory.dual_chain import ChainOutputs, chain_weights, dual_chain_reference
-from atlas_jax.ops.deep_memory.reads import (joint_pass_pays, mlp_chunk_read, mlp_reads, mlp_reads_reference,
+from atlas_jax.ops.deep_memory.reads import (mlp_chunk_read, mlp_reads, mlp_reads_reference,
                                               mlp_state_pass_and_reads)
 
-__all__ = ["ChainOutputs", "IMPLS", "MLPSources", "MLPStates", "chain_weights", "dual_chain_reference", "joint_pass_pays", "kernel_covers", "mlp_chunk_read",
-           "mlp_chunk_sources", "mlp_chunk_step", "mlp_reads", "mlp_reads_reference", "mlp_sources_from_starts",
-           "mlp_state_pass", "mlp_state_pass_and_reads", "mlp_state_pass_reference"]
+__all__ = ["ChainOutputs", "IMPLS", "MLPSources", "MLPStates", "chain_weights", "dual_chain_reference", "kernel_covers",
+           "mlp_chunk_read", "mlp_chunk_sources", "mlp_chunk_step", "mlp_reads", "mlp_reads_reference",
+           "mlp_sources_from_starts", "mlp_state_pass", "mlp_state_pass_and_reads", "mlp_state_pass_reference"]

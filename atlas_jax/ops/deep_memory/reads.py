@@ -115,7 +115,7 @@ def mlp_state_pass_and_reads(state: MLPStates, a, targets, rows, momentum_rows, 
     impl="chunk": the two references in XLA; "pallas": the GPU kernels in one custom VJP, whose
     backward hands the reads' start-state cotangents to the state pass's backward kernel as their
     factors (`atlas_jax.kernels.deep_memory.gpu_split`); block_sizes / read_block_sizes go to the
-    state pass's and the reads' kernels. The dual form routes to it where `joint_pass_pays`."""
+    state pass's and the reads' kernels. The dual form routes its bf16 kernel calls on a GPU to it."""
     if impl not in READ_IMPLS:
         raise ValueError(f"mlp_state_pass_and_reads: argument `impl` must be one of {READ_IMPLS}; got {impl!r}.")
     if decay_end is None:
@@ -141,21 +141,3 @@ def mlp_state_pass_and_reads(state: MLPStates, a, targets, rows, momentum_rows, 
     errors = sources.y - targets.astype(jnp.float32)
     return final, mlp_reads_reference(starts, queries, a, sources, errors, from_start, state_carry, state_rows,
                                       activation=activation, residual=residual)
-
-
-
-def joint_pass_pays(hidden: int, sequences_heads: int) -> bool:
-    """Whether `mlp_state_pass_and_reads` (impl "pallas") is the faster way to run the state pass
-    and the reads on the GPU kernels for a hidden width and B·H sequences·heads, rather than
-    `state_pass.mlp_state_pass` then `mlp_reads`: where the state pass's backward kernel takes
-    its full-width tiles (its programs fill the GPU), the four rank-b products a chunk and tile it
-    forms cost less than the θ-sized cotangents XLA no longer writes; where it takes its narrow
-    tiles (few sequences·heads, a latency-bound chain of chunks) they cost more. titans' layer,
-    bf16 fwd+bwd on an H200, one command each: B4 T4096 H8 D128 0.940 (19.91 -> 18.72 ms), B1
-    T16384 1.022 (24.22 -> 24.74). Checked compiled on that GPU in float32 (titans inside the
-    dual form, eight backward tiles a head, 1e-5); its compiled bf16 case was not."""
-    from atlas_jax.kernels.deep_memory.gpu import MLPGpuBlockSizes
-    from atlas_jax.kernels.omega.support import next_pow2
-
-    h = next_pow2(hidden, least=16)
-    return MLPGpuBlockSizes().resolve(h, False, sequences_heads).block_hidden_bwd == min(h, 64)
