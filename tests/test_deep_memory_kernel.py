@@ -182,25 +182,28 @@ def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, acti
 
 
 def test_tiles_and_warps_follow_the_grid(monkeypatch):
-    """block_hidden None: 32; block_hidden_bwd None: 64, or 16 where twice the 64-wide programs
-    (h / 32 · B·H) fit one per multiprocessor; num_warps_fwd / num_warps_bwd None: 8 while that
-    kernel's programs (tiles × B·H) fit one per multiprocessor, else 4; given values are kept."""
+    """block_hidden None: 32; block_hidden_bwd None: 16 (h >= 64); num_warps_fwd / num_warps_bwd
+    None: 8 while that kernel's programs (tiles × B·H) fit one per multiprocessor, else 4; given
+    values are kept."""
     import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
     monkeypatch.setattr(gpu_kernels, "_multiprocessors", lambda: 132)
     resolved = lambda bh, **kw: MLPGpuBlockSizes(**kw).resolve(512, False, bh)
     tiles = lambda bs: (bs.block_hidden, bs.num_warps_fwd, bs.block_hidden_bwd, bs.num_warps_bwd)
     assert tiles(resolved(8)) == (32, 8, 16, 4)     # 16 tiles of 32 × 8 = 128 programs fit; 32 of 16: 256
-    assert tiles(resolved(16)) == (32, 4, 64, 8)    # 256 forward programs; 8 tiles of 64 × 16 = 128
-    assert tiles(resolved(32)) == (32, 4, 64, 4)    # B4 H8: 512 and 256 programs
+    assert tiles(resolved(4)) == (32, 8, 16, 8)     # 64 and 128 programs
+    assert tiles(resolved(32)) == (32, 4, 16, 4)    # B4 H8: 512 and 1024 programs
     assert resolved(8, num_warps_bwd=2).num_warps_bwd == 2 and resolved(8, num_warps_fwd=2).num_warps_fwd == 2
     assert tiles(resolved(8, block_hidden=64)) == (64, 8, 16, 4)
     assert tiles(resolved(8, block_hidden_bwd=32)) == (32, 8, 32, 8)
     assert tiles(MLPGpuBlockSizes().resolve(16, False, 8)) == (16, 8, 16, 8)        # h below a tile
+    assert tiles(MLPGpuBlockSizes().resolve(32, False, 8)) == (32, 8, 32, 8)        # h < 64: one tile
     interpret = MLPGpuBlockSizes().resolve(512, True, 8)
     assert (interpret.block_hidden, interpret.block_hidden_bwd) == (512, 512)        # interpret: one tile
-    # paired products where the backward's tiles are 16 wide (B1 H8), not at 64 (B4 H8)
-    assert resolved(8).pair_products and not resolved(32).pair_products and not interpret.pair_products
-    assert not resolved(8, pair_products=False).pair_products and resolved(32, pair_products=True).pair_products
+    # paired products where the backward's tiles are 16 wide, not at 64
+    assert resolved(8).pair_products and resolved(32).pair_products and not interpret.pair_products
+    assert not resolved(32, block_hidden_bwd=64).pair_products
+    assert not resolved(8, pair_products=False).pair_products
+    assert resolved(32, block_hidden_bwd=64, pair_products=True).pair_products
 
 
 def _window_spec():
@@ -375,11 +378,12 @@ def test_kernel_lowers_to_mosaic_for_tpu(dtype, momentum, sizes):
 
 
 # ---- compiled on a GPU ----------------------------------------------------------------------
-# the tiles and warps `MLPGpuBlockSizes` resolves to at B·H 6 (where twice the 64-wide programs fit
-# the GPU: 16-wide backward tiles, with momentum paired products), 64-wide tiles, and what it
-# resolves to at B4 H8 (forward 32 wide on 4 warps, backward 64)
-TILES = {"auto_tiles": {}, "tiles64": {"block_hidden": 64, "block_hidden_bwd": 64},
-         "tiles_b4": {"block_hidden": 32, "num_warps_fwd": 4, "block_hidden_bwd": 64, "num_warps_bwd": 4}}
+# the tiles and warps `MLPGpuBlockSizes` resolves to at B·H 6 (forward 32 wide on 8 warps; backward
+# 16 wide on 4, with momentum paired products), what it resolves to at B4 H8 (the forward on 4
+# warps too), the unpaired backward path on 64-wide tiles (4 warps) and 64-wide tiles on 8 warps
+TILES = {"auto_tiles": {}, "tiles_b4": {"block_hidden": 32, "num_warps_fwd": 4},
+         "unpaired64": {"block_hidden": 32, "num_warps_fwd": 4, "block_hidden_bwd": 64, "num_warps_bwd": 4},
+         "tiles64": {"block_hidden": 64, "block_hidden_bwd": 64}}
 
 
 @pytest.mark.gpu

@@ -214,9 +214,10 @@ def test_gpu_compiled_reads_kernel_equals_reference(dtype, sizes):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, monkeypatch):
-    """titans (hidden 128 float32, 512 bf16: several tiles a head in both kernels) with its reads on
-    the kernels, with the state pass in one custom VJP, float32 forced onto that
-    route (1e-5) and bf16 as impl="pallas" takes it: against the core's chunked form on the same
+    """titans (hidden 128 float32, 512 bf16: several tiles a head in both kernels; B·H 8, so bf16's
+    backward takes 16-wide paired tiles on 4 warps, as at B1 and B4 H8) with its reads on the
+    kernels, with the state pass in one custom VJP, float32 forced onto that route (1e-5) and bf16
+    as impl="pallas" takes it: against the core's chunked form on the same
     bf16 inputs within 1e-2 (issue 21's bf16 bar), and against the float32 dual form on the
     bf16-rounded inputs within 2e-2 outputs and state, 5e-2 gradients (test_deep_memory_kernel's
     bf16 case)."""
@@ -225,7 +226,7 @@ def test_gpu_titans_with_reads_on_the_kernels_equals_the_dual_form(dtype, monkey
     monkeypatch.setattr(dual, "_reads_on_kernel", lambda low_precision, terms: terms.src_scale is None)
     # float32's split-operand products compile faster at a narrower hidden width (test_deep_memory_kernel)
     spec = presets.get("titans", hidden=128 if dtype == jnp.float32 else None)
-    q, k, v, knobs, state = _spec_inputs(spec, 9, B=2, T=300, H=2, K=128, V=128)
+    q, k, v, knobs, state = _spec_inputs(spec, 9, B=4, T=300, H=2, K=128, V=128)
     low = tuple(x.astype(dtype) for x in (q, k, v))
     as_f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
     with jax.default_matmul_precision("highest"), chunked.dual_form():

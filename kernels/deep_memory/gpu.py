@@ -59,8 +59,11 @@ four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's r
 alike. Tiles (2026-11-27, titans' layer fwd+bwd, each pair of trees in one command on an H200): the
 forward takes 32 wide (B1 T16384 H8: 29.37 -> 27.61 ms, forward 7.81 -> 6.11; B4 T4096: 21.07 ->
 20.53 with 4 warps, forward 5.88 -> 5.36; 16 wide loses, 6.10 -> 8.31 forward at B1); the backward
-64, or 16 where even twice the 64-wide programs fit one per multiprocessor (B1: 27.61 -> 24.56 ms
-against 32; at B4 narrower backward tiles lose: 21.05 with 64, 22.03 with 32, 24.81 with 16). titans' memory
+16 wide with paired products (below) on 4 warps: B1 T16384 27.61 -> 24.56 ms against 32 (2026-11-27),
+and with the kernel of 2026-11-29 at B4 T4096 17.68 -> 16.05 ms against 64 wide unpaired (32 wide:
+16.57) and B8 T2048 18.59 -> 16.91 (32 wide: 17.44), where on 2026-11-27's kernel narrower tiles
+lost at B4 (21.05 with 64, 22.03 with 32, 24.81 with 16;
+benchmarks/results/titans_ablations_h200_2026-11-29.md). titans' memory
 layer (bf16, forward+backward, H8 D128) against titans-pytorch's NeuralMemory in one command:
 B4 T4096 20.7 against 104.5 ms, B1 T16384 24.9 against 101.8 (2026-11-27;
 benchmarks/results/deep_memory_h200_2026-11-27f.md); the XLA dual form 33.6–34.0 at B4 in earlier
@@ -71,11 +74,10 @@ inputs only.
 Paired products (``pair_products``, with momentum): the backward keeps each tile's X and M side by
 side (W0's columns, W1's rows: `_half`), so that the products of the chunk's rows with both are
 one product over the pair — a [X0 | M0], E [X1 | M1]ᵀ, [r ⊙ H | ρ ⊙ H] [X1; M1] and
-[r ⊙ D | ρ ⊙ D] [X0 | M0]ᵀ — 12 products a chunk instead of 16. Where the tiles are 16 wide (B1 H8:
-256 programs of few values each) the chain's count of products sets its time, and titans' layer
-at B1 T16384 takes 21.84 against 24.53 ms; at B4 (64-wide tiles on 4 warps) the wider values
-spill, 23.00 against 18.93 (H200, one command each, 2026-11-28), so by default only 16-wide tiles
-pair. The kept cotangents are then a buffer of their own rather than written over the start
+[r ⊙ D | ρ ⊙ D] [X0 | M0]ᵀ — 12 products a chunk instead of 16. Where the tiles are 16 wide (few
+values a thread) the count of products sets the time, and titans' layer at B1 T16384 takes 21.84
+against 24.53 ms; with 64-wide tiles on 4 warps the wider values spill, 23.00 against 18.93 at B4
+(H200, one command each, 2026-11-28), so by default only 16-wide tiles pair. The kept cotangents are then a buffer of their own rather than written over the start
 states' cotangents: one more [B·H, N, θ + momentum] float32 buffer on the route that loads those
 (2 GiB at B1 T16384 H8). With its few values a thread, the paired path also loads the tiles its
 products take once a chunk, forms Ẑ's terms but its Ê one before the head sum and loads a and E
@@ -125,9 +127,9 @@ SPIN_CAP = 1 << 16
 @dataclasses.dataclass(frozen=True)
 class MLPGpuBlockSizes:
     """block_hidden / block_hidden_bwd: hidden units per program of the forward / backward kernel
-    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 32) forward, and
-    min(h, 64) backward except 16 where h / 32 · B·H programs fit one per multiprocessor, module
-    docstring); in interpret mode both must be h (one tile per head, module docstring).
+    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 32) forward, and 16
+    backward where h >= 64, else h; module docstring); in interpret mode both must be h (one tile
+    per head, module docstring).
     num_warps_fwd / num_warps_bwd: warps per program (None: 8 when that kernel's programs fit one
     per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
     (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
@@ -145,16 +147,12 @@ class MLPGpuBlockSizes:
     pair_products: bool | None = None
 
     def resolve(self, h, interpret, sequences_heads):
-        # Narrower backward tiles (fewer values a thread, fewer spills, more programs at once) where
-        # the GPU would otherwise sit mostly idle: twice the 64-wide programs fit one per multiprocessor.
-        narrow = (self.block_hidden_bwd is None and not interpret and h >= 64
-                  and (h // 32) * sequences_heads <= _multiprocessors())
         fwd = self.block_hidden
         if fwd is None:
             fwd = h if interpret else min(h, 32)
         bwd = self.block_hidden_bwd
-        if bwd is None:
-            bwd = h if interpret else 16 if narrow else min(h, 64)
+        if bwd is None:   # 16-wide paired tiles: the fewest values a thread (module docstring)
+            bwd = h if interpret or h < 64 else 16
 
         def warps(given, tile):   # 8 while the programs fit one per multiprocessor
             if given is not None or not is_int(tile) or tile <= 0:
