@@ -59,17 +59,16 @@ four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's r
 alike. Tiles (2026-11-27, titans' layer fwd+bwd, each pair of trees in one command on an H200): the
 forward takes 32 wide (B1 T16384 H8: 29.37 -> 27.61 ms, forward 7.81 -> 6.11; B4 T4096: 21.07 ->
 20.53 with 4 warps, forward 5.88 -> 5.36; 16 wide loses, 6.10 -> 8.31 forward at B1); the backward
-16 wide with paired products (below) on 4 warps: B1 T16384 27.61 -> 24.56 ms against 32 (2026-11-27),
-and with the kernel of 2026-11-29 at B4 T4096 17.68 -> 16.05 ms against 64 wide unpaired (32 wide:
-16.57) and B8 T2048 18.59 -> 16.91 (32 wide: 17.44), where on 2026-11-27's kernel narrower tiles
-lost at B4 (21.05 with 64, 22.03 with 32, 24.81 with 16;
-benchmarks/results/titans_ablations_h200_2026-11-29.md). titans' memory
-layer (bf16, forward+backward, H8 D128) against titans-pytorch's NeuralMemory in one command:
-B4 T4096 20.7 against 104.5 ms, B1 T16384 24.9 against 101.8 (2026-11-27;
+16 wide with paired products (below) on 4 warps: B1 T16384 27.61 -> 24.56 ms against 32
+(2026-11-27), and with the kernel of 2026-11-29 at B4 T4096 17.68 -> 16.05 ms against 64 wide
+unpaired (32 wide: 16.57) and B8 T2048 18.59 -> 16.91 (32 wide: 17.44), where on 2026-11-27's
+kernel narrower tiles lost at B4 (21.05 with 64, 22.03 with 32, 24.81 with 16;
+benchmarks/results/titans_ablations_h200_2026-11-29.md). titans' memory layer (bf16,
+forward+backward, H8 D128) against titans-pytorch's NeuralMemory in one command: B4 T4096 20.7
+against 104.5 ms, B1 T16384 24.9 against 101.8 (2026-11-27;
 benchmarks/results/deep_memory_h200_2026-11-27f.md); the XLA dual form 33.6–34.0 at B4 in earlier
-commands. float32 sources with TF32 dots: forward level with
-XLA (with exact dots ~2× that: the six-dot products); so `impl="auto"` takes this kernel for bf16
-inputs only.
+commands. float32 sources with TF32 dots: forward level with XLA (with exact dots ~2× that: the
+six-dot products); so `impl="auto"` takes this kernel for bf16 inputs only.
 
 Paired products (``pair_products``, with momentum): the backward keeps each tile's X and M side by
 side (W0's columns, W1's rows: `_half`), so that the products of the chunk's rows with both are
@@ -77,9 +76,9 @@ one product over the pair — a [X0 | M0], E [X1 | M1]ᵀ, [r ⊙ H | ρ ⊙ H] 
 [r ⊙ D | ρ ⊙ D] [X0 | M0]ᵀ — 12 products a chunk instead of 16. Where the tiles are 16 wide (few
 values a thread) the count of products sets the time, and titans' layer at B1 T16384 takes 21.84
 against 24.53 ms; with 64-wide tiles on 4 warps the wider values spill, 23.00 against 18.93 at B4
-(H200, one command each, 2026-11-28), so by default only 16-wide tiles pair. The kept cotangents are then a buffer of their own rather than written over the start
-states' cotangents: one more [B·H, N, θ + momentum] float32 buffer on the route that loads those
-(2 GiB at B1 T16384 H8). With its few values a thread, the paired path also loads the tiles its
+(H200, one command each, 2026-11-28), so by default only 16-wide tiles pair. The kept cotangents
+are then a buffer of their own rather than written over the start states' cotangents: one more
+[B·H, N, θ + momentum] float32 buffer on the route that loads those (2 GiB at B1 T16384 H8). With its few values a thread, the paired path also loads the tiles its
 products take once a chunk, forms Ẑ's terms but its Ê one before the head sum and loads a and E
 again after it: titans' layer at B1 T16384 0.970, then 0.983 (H200, one command each; the
 unpaired path at B4, where the same order cost 1.006-1.030, keeps its own; `_bwd_kernel`'s notes).
