@@ -78,10 +78,11 @@ values a thread) the count of products sets the time, and titans' layer at B1 T1
 against 24.53 ms; with 64-wide tiles on 4 warps the wider values spill, 23.00 against 18.93 at B4
 (H200, one command each, 2026-11-28), so by default only 16-wide tiles pair. The kept cotangents
 are then a buffer of their own rather than written over the start states' cotangents: one more
-[B·H, N, θ + momentum] float32 buffer on the route that loads those (2 GiB at B1 T16384 H8). With its few values a thread, the paired path also loads the tiles its
-products take once a chunk, forms Ẑ's terms but its Ê one before the head sum and loads a and E
-again after it: titans' layer at B1 T16384 0.970, then 0.983 (H200, one command each; the
-unpaired path at B4, where the same order cost 1.006-1.030, keeps its own; `_bwd_kernel`'s notes).
+[B·H, N, θ + momentum] float32 buffer on the route that loads those (2 GiB at B1 T16384 H8). With
+its few values a thread, the paired path also loads the tiles its products take once a chunk,
+forms Ẑ's terms but its Ê one before the head sum and loads a and E again after it: titans' layer
+at B1 T16384 0.970, then 0.983 (H200, one command each; the unpaired path, where the same order
+cost 1.006-1.030 on B4's then 64-wide tiles, keeps its own; `_bwd_kernel`'s notes).
 
 Interpret mode runs programs one after another, so a barrier between programs can never be met
 there: in interpret mode the kernel runs with one tile per head (block_hidden = h), the same
@@ -277,9 +278,9 @@ def _head_sum(cfg, r, bh, j, step, stuck, finish):
     (the forward: E = Y − targets; the backward: Ê with Y's cotangent); it may store outputs of
     those rows where ``owner`` (`_when`; True: this program forms those rows alone). Where a
     head's tiles divide the rows, in two stages: tile j adds every tile's rows of block j and
-    finishes them into r["total"], a second barrier, then every tile loads the total — an eighth of the loads of every tile adding every share (titans B4
-    T4096: eight tiles of [64, 128] each; the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one
-    command), and the float32 [n, dv] tiles ``finish`` loads (targets, Y's cotangent) are loaded
+    finishes them into r["total"], a second barrier, then every tile loads the total — an eighth
+    of the loads of every tile adding every share (titans B4 T4096: eight tiles of [64, 128] each;
+    the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one command), and the float32 [n, dv] tiles ``finish`` loads (targets, Y's cotangent) are loaded
     once a head, a block by each tile, rather than whole by every tile (18.15 -> 17.69 ms at B4,
     18.50 -> 17.08 at B1 T16384, one command each)."""
     tiles, slot = cfg.tiles, lax.rem(step, 2)
