@@ -134,6 +134,17 @@ def test_state_pass_and_reads_equal_the_references():
         assert tree_rel(x, y) <= TOL, (i, tree_rel(x, y))
 
 
+def test_state_pass_and_reads_bf16_equal_the_references():
+    """The joint op with bf16 sources: the state pass keeps every chunk's start state in bf16
+    (the products' operands) and carries float32 in a running buffer; against the references on
+    the same bf16 inputs, within the bf16 bar."""
+    o, g = _joint_outputs_and_grads("pallas", jnp.bfloat16)
+    o_r, g_r = _joint_outputs_and_grads("chunk", jnp.bfloat16)
+    assert rel(o, o_r) <= BF16_TOL
+    for i, (x, y) in enumerate(zip(g, g_r)):
+        assert tree_rel(x, y) <= BF16_TOL, (i, tree_rel(x, y))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,sizes", [(jnp.float32, dict(h=128)),
                                          (jnp.bfloat16, dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128))])
@@ -174,6 +185,28 @@ def test_reads_kernel_lowers_to_triton_for_cuda():
     exp = export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
     assert exp.mlir_module().count("xla.gpu.triton") == 1
+
+
+def test_state_pass_and_reads_lower_to_triton_for_cuda():
+    """The joint op with bf16 sources at titans' widths (hidden 512: several tiles a head, paired
+    backward tiles, start states kept in bf16): three kernels, the pass's two and the reads'."""
+    from jax import export
+
+    from test_deep_memory_kernel import _operands as pass_operands
+
+    B, H, N, b, n, d, h, dv = 1, 2, 2, 64, 64, 128, 512, 128
+    args = pass_operands(3, momentum=True, B=B, H=H, N=N, n=n, d=d, h=h, dv=dv, dtype=jnp.bfloat16)
+    reads = (jnp.ones((B, H, N, b, d), jnp.bfloat16), jnp.ones((B, H, N, b)), jnp.ones((B, H, N, b)),
+             jnp.ones((B, H, N, b, n)))
+
+    def loss(*x):
+        final, o = mlp_state_pass_and_reads(*x, activation="gelu", impl="pallas", interpret=False)
+        return jnp.sum(o) + sum(jnp.sum(f) for f in final)
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (*args, *reads))
+    exp = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 8))), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+    assert exp.mlir_module().count("xla.gpu.triton") == 3
 
 
 def test_errors():

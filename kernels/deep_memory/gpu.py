@@ -11,7 +11,12 @@ columns, W1's rows and the momentum's, for all N chunks of its head. Per chunk, 
     m0_j' = μ m0_j + aᵀ (ρ ⊙ D_j),            m1_j' = μ m1_j + H_jᵀ (ρ ⊙ E)
 
 Every chunk's start state and Y are kept (outputs: the dual form's reads and the backward need
-them); with ``sources`` H_j and D_j too, in the sources' dtype (the reads' source pass:
+them). On the joint route with the reads (``factors``) and bf16 sources the start states are kept
+in bf16, as the products take them (the scalar cotangents' inner products below read those
+copies too: within the bf16 bar, tested), while the recursion carries float32 tiles in a running buffer
+of two slots a head: titans' layer 0.972 (B4 T4096) and 0.953 (B1 T16384) of the float32 starts
+(H200, one command; benchmarks/results/titans_kept_starts_h200_2026-11-29.md). With
+``sources`` H_j and D_j are kept too, in the sources' dtype (the reads' source pass:
 `state_pass.MLPSources`, whose cotangents join A_j, Ĥ_j and Ê below). Backward, chunks from the
 last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j (momentum) of tile j, and
 G_j = E W1_jᵀ:
@@ -198,6 +203,7 @@ class _Cfg(support.PassCfg):
     sources: bool = False    # the forward also returns every chunk's H, D and Y (state_pass.MLPSources)
     factors: bool = False    # the backward takes the start states' cotangents as `StartFactors`
     pairs: bool = False      # the backward keeps X and M side by side (`_half`; momentum only)
+    low_starts: bool = False  # every chunk's start state kept in bf16 (`_forward`; the joint route)
 
     @property
     def tiles(self):
@@ -324,13 +330,19 @@ def _fwd_kernel(r, cfg: _Cfg):
     N, tiles, all_ = cfg.n_chunks, cfg.tiles, slice(None)
 
     for name in names:   # slot 0 of the start states: the initial state
-        r["s_" + name][(bh, 0) + _tile_index(name, cols)] = load_f32(r[name], (bh,) + _tile_index(name, cols))
+        initial = load_f32(r[name], (bh,) + _tile_index(name, cols))
+        r["s_" + name][(bh, 0) + _tile_index(name, cols)] = initial.astype(r["s_" + name].dtype)
+        if cfg.low_starts:
+            r["run_" + name][(bh, 0) + _tile_index(name, cols)] = initial
 
     def chunk(i, stuck):
         # A state tile is loaded where it is used and loaded again later rather than kept: four
         # [d, 64] float32 tiles and their updates held through the chunk spilled (255 registers a
         # thread, GBs of local-memory traffic by ncu), and the reloads hit L2.
-        start = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
+        if cfg.low_starts:   # the float32 state from the running buffer's slot i mod 2
+            start = lambda name: load_f32(r["run_" + name], (bh, lax.rem(i, 2)) + _tile_index(name, cols))
+        else:
+            start = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
         if cfg.num_warps_fwd >= 8:
             # where the programs fit one per multiprocessor (8 warps, few values a thread), the
             # chunk's start tiles are loaded once, at its start, rather than where each is used
@@ -359,9 +371,12 @@ def _fwd_kernel(r, cfg: _Cfg):
             r["o_d0"][bh, i, :, cols] = d0.astype(r["o_d0"].dtype)
 
         def put(name, value):   # chunk i + 1's start, or the final state after the last chunk
+            if cfg.low_starts:   # the other slot: chunk i + 1 reads it after the CTA barrier below
+                r["run_" + name][(bh, 1 - lax.rem(i, 2)) + _tile_index(name, cols)] = value
+
             @pl.when(i + 1 < N)
             def _():
-                r["s_" + name][(bh, i + 1) + _tile_index(name, cols)] = value
+                r["s_" + name][(bh, i + 1) + _tile_index(name, cols)] = value.astype(r["s_" + name].dtype)
 
             @pl.when(i + 1 == N)
             def _():
@@ -395,10 +410,13 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
         ins.update(mrows=mrows, carry=carry, mcarry=mcarry, m0=state.m0, m1=state.m1)
         shapes.update(m0=(d, h), m1=(h, dv))
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
-    outs = {**{"s_" + k: sds(BH, N, *s) for k, s in shapes.items()},
+    kept = lambda *s: jax.ShapeDtypeStruct(s, BF16 if cfg.low_starts else F32)
+    outs = {**{"s_" + k: kept(BH, N, *s) for k, s in shapes.items()},
             **{"f_" + k: sds(BH, *s) for k, s in shapes.items()},
             "y": sds(BH, N, n, dv), "share": sds(BH, 2, cfg.tiles, n, dv), "total": sds(BH, 2, n, dv),
             "count": jax.ShapeDtypeStruct((BH,), jnp.int32)}
+    if cfg.low_starts:
+        outs.update({"run_" + k: sds(BH, 2, *s) for k, s in shapes.items()})
     if cfg.sources:
         # H and D in the sources' dtype: halves their stores and the backward's cotangent loads
         # (titans' layer, B4 T4096 bf16, H200: 22.58 against 23.28 ms, one process)
@@ -450,7 +468,10 @@ def _bwd_kernel(r, cfg: _Cfg):
         # the paired path loads its products' tiles once, below): the start state's from s_, the
         # carried cotangent X / M (chunk i's end state's) from df_ for the last chunk, else from
         # g_[i + 1] (this program's own writes of the chunk before, behind the CTA barrier).
-        st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
+        if cfg.low_starts:   # kept in bf16, the products' operand dtype
+            st = lambda name: r["s_" + name][(bh, i) + _tile_index(name, cols)]
+        else:
+            st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
         if pairs:
             # tile j's X0 and M0 columns side by side in one buffer (X1 and M1 rows), so that the
             # products that take both (a X0 and a M0, ...) are one product over the pair
@@ -687,7 +708,7 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
 
     def dot(name, state):
         """<chunk i's end-state cotangent of `name`, chunk i's start `state`> for every i [BH, N]."""
-        g, end, v = getattr(kept, name), getattr(d_final, name), getattr(starts, state)
+        g, end, v = getattr(kept, name), getattr(d_final, name), getattr(starts, state).astype(F32)
         inner = jnp.sum(g[:, 1:] * v[:, :-1], axis=(2, 3))
         return jnp.concatenate([inner, jnp.sum(end * v[:, -1], axis=(1, 2))[:, None]], axis=1)
 
@@ -762,6 +783,6 @@ def pass_config(state: MLPStates, a, targets, *, activation, residual, interpret
                block_hidden=bs.block_hidden, num_warps_fwd=bs.num_warps_fwd, num_warps_bwd=bs.num_warps_bwd,
                dots=bs.dots, interpret=interpret, block_hidden_bwd=bs.block_hidden_bwd,
                sources=bool(sources) and bs.backward == "kernel", factors=factors,
-               pairs=bs.pair_products and fields["momentum"])
+               pairs=bs.pair_products and fields["momentum"], low_starts=factors and fields["low"])
     padded = tuple(next_pow2(x, least=16) for x in (a.shape[3], a.shape[4], hp, targets.shape[-1]))
     return cfg, padded, bs.backward

@@ -10,7 +10,8 @@ shares of the output are summed in XLA ([P, tiles, b, dv]):
     O_j = P ⊙ (Ĥ_j W1_j) + c ⊙ (Ĥ_j m1_j) + (M ⊙ Ĥ_j H_jᵀ) E   (+ q, tile 0, with the residual)
 
 The kernel rounds each tile of the chunk's start state to bf16 where it loads it (for bf16
-inputs) and keeps those bf16 copies, Z, q W0 and q m0 for the backward, which runs in XLA as
+inputs; on the joint route, `gpu_split`, the state pass keeps them in bf16 already) and keeps
+those bf16 copies, Z, q W0 and q m0 for the backward, which runs in XLA as
 batched products over the P chunks (`_backward`):
 
     Ĥ̄ = P ⊙ (Ō W1ᵀ) + c ⊙ (Ō m1ᵀ) + (S1 ⊙ M) H,  S1 = Ō Eᵀ,   Z̄ = Ĥ̄ ⊙ σ'(Z)
@@ -110,6 +111,8 @@ def _weight(r, cfg, name, p, cols):
     start state once more: titans B4 T4096 H8 D128 on an H200, 0.76 ms of casts against 0.31 ms
     more in this kernel; the layer 20.35 -> 19.87 ms, one command)."""
     index = (p, slice(None), cols) if name in ("w0", "m0") else (p, cols, slice(None))
+    if r[name].dtype == BF16:   # kept in bf16 by the state pass (the joint route): no copy
+        return r[name][index]
     tile = load_f32(r[name], index)
     if cfg.low:
         tile = tile.astype(BF16)
@@ -159,7 +162,7 @@ def forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
     outs = {"o": jax.ShapeDtypeStruct((P, cfg.tiles, b, dv), F32), "z": kept, "zw": kept}
     if cfg.momentum:
         outs["zm"] = kept
-    if cfg.low:
+    if cfg.low and starts.w0.dtype != BF16:
         outs.update({k + "_b": jax.ShapeDtypeStruct(ins[k].shape, BF16) for k in _names(cfg)})
     in_names, out_names = list(ins), list(outs)
 
@@ -185,9 +188,9 @@ def backward_parts(cfg, res, do):
         return jnp.einsum(spec, x.astype(operand), y.astype(operand), preferred_element_type=F32,
                           precision=precision)
 
-    if cfg.low:
+    if cfg.low and "w0_b" in kept:
         w0, w1, m0, m1 = (kept.get(k + "_b") for k in ("w0", "w1", "m0", "m1"))
-    else:
+    else:   # float32, or kept in bf16 by the state pass
         w0, w1, m0, m1 = starts
     fs_, sc_ = fs[..., None], None if sc is None else sc[..., None]
     z, zw = kept["z"].astype(F32), kept["zw"].astype(F32)
