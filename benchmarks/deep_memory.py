@@ -42,6 +42,7 @@ import flops  # noqa: E402
 
 ENTRIES = {   # entry name -> (preset, preset options, what the table says)
     "titans": ("titans", {}, "titans"),
+    "ttt_mlp": ("ttt_mlp", {}, "ttt_mlp"),
     "omeganet": ("omeganet", {}, "omeganet"),
     "dla": ("dla", {}, "dla"),
     "atlas": ("atlas", {"ns_every": "chunk"}, "atlas, NS per chunk"),
@@ -70,8 +71,9 @@ def inputs(spec, B, T, H, D, seed=0, dtype="float32"):
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
     q, k = unit(jax.random.normal(ks[0], (B, T, H, D))), unit(jax.random.normal(ks[1], (B, T, H, D)))
     v = jax.random.normal(ks[2], (B, T, H, D))
-    knobs = {"beta": 0.1 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H))),
-             "g": jax.nn.log_sigmoid(4.0 + jax.random.normal(ks[4], (B, T, H)))}
+    knobs = {"beta": 0.1 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))}
+    if spec.retention.needs_gate:
+        knobs["g"] = jax.nn.log_sigmoid(4.0 + jax.random.normal(ks[4], (B, T, H)))
     if spec.opt_kind in ("momentum", "muon"):
         knobs["nu"] = jax.nn.sigmoid(2.0 + jax.random.normal(ks[5], (B, T, H)))
     if spec.window > 1:

@@ -182,7 +182,9 @@ def test_gpu_kernel_backwards_equal_reference(backward, momentum, residual, acti
 
 
 def test_tiles_and_warps_follow_the_grid(monkeypatch):
-    """block_hidden None: 32; block_hidden_bwd None: 16 (h >= 64); num_warps_fwd / num_warps_bwd
+    """block_hidden None: 32; block_hidden_bwd None (h >= 64): 16 with momentum (paired), and
+    without (unpaired) 32 where those programs outnumber the multiprocessors, else 16;
+    num_warps_fwd / num_warps_bwd
     None: 8 while that kernel's programs (tiles × B·H) fit one per multiprocessor, else 4; given
     values are kept."""
     import atlas_jax.kernels.deep_memory.gpu as gpu_kernels
@@ -203,6 +205,11 @@ def test_tiles_and_warps_follow_the_grid(monkeypatch):
     assert resolved(8).pair_products and resolved(32).pair_products and not interpret.pair_products
     assert not resolved(32, block_hidden_bwd=64).pair_products
     assert not resolved(8, pair_products=False).pair_products
+    assert tiles(resolved(8, pair_products=False)) == (32, 8, 16, 4)     # 16 tiles of 32 × 8 would fit
+    assert tiles(resolved(32, pair_products=False)) == (32, 4, 32, 4)
+    no_momentum = lambda bh: MLPGpuBlockSizes().resolve(512, False, bh, momentum=False)   # ttt_mlp, H8
+    assert tiles(no_momentum(32)) == (32, 4, 32, 4) and not no_momentum(32).pair_products   # B4
+    assert tiles(no_momentum(8)) == (32, 8, 16, 4)                                          # B1
     assert resolved(32, block_hidden_bwd=64, pair_products=True).pair_products
 
 

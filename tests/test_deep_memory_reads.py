@@ -28,6 +28,7 @@ from test_deep_memory_kernel import SPECS, TOL, _spec_inputs, _spec_run
 
 from atlas_jax import presets
 from atlas_jax.forms import chunked, dual
+from atlas_jax.kernels.deep_memory.gpu import MLPGpuBlockSizes
 from atlas_jax.kernels.deep_memory.gpu_reads import MLPReadsGpuBlockSizes
 from atlas_jax.ops import deep_memory
 from atlas_jax.ops.deep_memory import MLPSources, MLPStates
@@ -104,7 +105,8 @@ def test_memory_spec_with_reads_on_the_kernel_equals_the_dual_form(name, monkeyp
         assert tree_rel(a, b) <= TOL, (label, tree_rel(a, b))
 
 
-def _joint_outputs_and_grads(impl, dtype=jnp.float32, interpret=True, B=1, H=2, N=3, b=9, n=11, d=8, h=32, dv=8):
+def _joint_outputs_and_grads(impl, dtype=jnp.float32, interpret=True, B=1, H=2, N=3, b=9, n=11, d=8, h=32, dv=8,
+                             block_sizes=None):
     from test_deep_memory_kernel import _operands as pass_operands
 
     args = pass_operands(3, momentum=True, B=B, H=H, N=N, n=n, d=d, h=h, dv=dv, dtype=dtype)
@@ -114,7 +116,7 @@ def _joint_outputs_and_grads(impl, dtype=jnp.float32, interpret=True, B=1, H=2, 
              0.2 * jax.random.normal(ks[3], (B, H, N, b, n)))
 
     def loss(*x):
-        kw = dict(interpret=interpret) if impl == "pallas" else {}
+        kw = dict(interpret=interpret, block_sizes=block_sizes) if impl == "pallas" else {}
         final, o = mlp_state_pass_and_reads(*x, activation="gelu", impl=impl, **kw)
         return (jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape)))
                 + sum(jnp.sum(jnp.sin(f)) for f in final)), o
@@ -134,11 +136,12 @@ def test_state_pass_and_reads_equal_the_references():
         assert tree_rel(x, y) <= TOL, (i, tree_rel(x, y))
 
 
-def test_state_pass_and_reads_bf16_equal_the_references():
+@pytest.mark.parametrize("pairs", [False, True])
+def test_state_pass_and_reads_bf16_equal_the_references(pairs):
     """The joint op with bf16 sources: the state pass keeps every chunk's start state in bf16
-    (the products' operands) and carries float32 in a running buffer; against the references on
-    the same bf16 inputs, within the bf16 bar."""
-    o, g = _joint_outputs_and_grads("pallas", jnp.bfloat16)
+    and carries float32 in a running buffer; against the references on the same bf16 inputs,
+    within the bf16 bar; the backward's tiles paired or not."""
+    o, g = _joint_outputs_and_grads("pallas", jnp.bfloat16, block_sizes=MLPGpuBlockSizes(pair_products=pairs))
     o_r, g_r = _joint_outputs_and_grads("chunk", jnp.bfloat16)
     assert rel(o, o_r) <= BF16_TOL
     for i, (x, y) in enumerate(zip(g, g_r)):

@@ -68,7 +68,11 @@ forward takes 32 wide (B1 T16384 H8: 29.37 -> 27.61 ms, forward 7.81 -> 6.11; B4
 (2026-11-27), and with the kernel of 2026-11-29 at B4 T4096 17.68 -> 16.05 ms against 64 wide
 unpaired (32 wide: 16.57) and B8 T2048 18.59 -> 16.91 (32 wide: 17.44), where on 2026-11-27's
 kernel narrower tiles lost at B4 (21.05 with 64, 22.03 with 32, 24.81 with 16;
-benchmarks/results/titans_ablations_h200_2026-11-29.md). titans' memory layer (bf16,
+benchmarks/results/titans_ablations_h200_2026-11-29.md). Without momentum (ttt_mlp: unpaired) the
+backward takes 32 wide where those programs outnumber the multiprocessors: B4 T4096 H8 10.64 ->
+9.25 ms against 16 (64 wide: 10.55), while at B1 T16384 H8 32 wide (128 programs, so 8 warps)
+took 13.36 against 11.36 (H200, one command each, 2026-11-29;
+benchmarks/results/titans_kept_starts_h200_2026-11-29.md). titans' memory layer (bf16,
 forward+backward, H8 D128) against titans-pytorch's NeuralMemory in one command: B4 T4096 20.7
 against 104.5 ms, B1 T16384 24.9 against 101.8 (2026-11-27;
 benchmarks/results/deep_memory_h200_2026-11-27f.md); the XLA dual form 33.6–34.0 at B4 in earlier
@@ -151,13 +155,18 @@ class MLPGpuBlockSizes:
     backward: str = "kernel"
     pair_products: bool | None = None
 
-    def resolve(self, h, interpret, sequences_heads):
+    def resolve(self, h, interpret, sequences_heads, momentum=True):
         fwd = self.block_hidden
         if fwd is None:
             fwd = h if interpret else min(h, 32)
         bwd = self.block_hidden_bwd
-        if bwd is None:   # 16-wide paired tiles: the fewest values a thread (module docstring)
-            bwd = h if interpret or h < 64 else 16
+        if bwd is None:   # the module docstring's measurements
+            if interpret or h < 64:
+                bwd = h
+            elif momentum and self.pair_products is not False:   # 16 wide, paired
+                bwd = 16
+            else:   # unpaired: 32 wide where its programs outnumber the multiprocessors (4 warps)
+                bwd = 32 if (h // 32) * sequences_heads > _multiprocessors() else 16
 
         def warps(given, tile):   # 8 while the programs fit one per multiprocessor
             if given is not None or not is_int(tile) or tile <= 0:
@@ -776,7 +785,7 @@ def pass_config(state: MLPStates, a, targets, *, activation, residual, interpret
                         f"{type(bs).__name__}.")
     interpret = bool(default_interpret() if interpret is None else interpret)
     hp = next_pow2(state.w0.shape[-1], least=16)
-    bs = bs.resolve(hp, interpret, a.shape[0] * a.shape[1])
+    bs = bs.resolve(hp, interpret, a.shape[0] * a.shape[1], momentum=state.m0 is not None)
     bs.check(hp, interpret)
     fields = support.pass_fields(_FN, state, a, activation, residual)
     cfg = _Cfg(**fields, hidden=hp,
