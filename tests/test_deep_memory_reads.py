@@ -136,12 +136,14 @@ def test_state_pass_and_reads_equal_the_references():
         assert tree_rel(x, y) <= TOL, (i, tree_rel(x, y))
 
 
-@pytest.mark.parametrize("pairs", [False, True])
-def test_state_pass_and_reads_bf16_equal_the_references(pairs):
+@pytest.mark.parametrize("pairs,fwd_warps", [(False, None), (True, 4)])
+def test_state_pass_and_reads_bf16_equal_the_references(pairs, fwd_warps):
     """The joint op with bf16 sources: the state pass keeps every chunk's start state in bf16
     and carries float32 in a running buffer; against the references on the same bf16 inputs,
-    within the bf16 bar; the backward's tiles paired or not."""
-    o, g = _joint_outputs_and_grads("pallas", jnp.bfloat16, block_sizes=MLPGpuBlockSizes(pair_products=pairs))
+    within the bf16 bar; the backward's tiles paired or not, the forward on 4 warps (its products
+    then load the bf16 start tiles) or its default."""
+    bs = MLPGpuBlockSizes(pair_products=pairs, num_warps_fwd=fwd_warps)
+    o, g = _joint_outputs_and_grads("pallas", jnp.bfloat16, block_sizes=bs)
     o_r, g_r = _joint_outputs_and_grads("chunk", jnp.bfloat16)
     assert rel(o, o_r) <= BF16_TOL
     for i, (x, y) in enumerate(zip(g, g_r)):
@@ -149,14 +151,18 @@ def test_state_pass_and_reads_bf16_equal_the_references(pairs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,sizes", [(jnp.float32, dict(h=128)),
-                                         (jnp.bfloat16, dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128))])
-def test_gpu_state_pass_and_reads_equal_the_references(dtype, sizes):
-    """Compiled, with several hidden tiles a head in both kernels (what interpret mode cannot run)."""
+@pytest.mark.parametrize("dtype,sizes,fwd_warps", [(jnp.float32, dict(h=128), None),
+                                                   (jnp.bfloat16, dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128), None),
+                                                   (jnp.bfloat16, dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128), 4)])
+def test_gpu_state_pass_and_reads_equal_the_references(dtype, sizes, fwd_warps):
+    """Compiled, with several hidden tiles a head in both kernels (what interpret mode cannot run);
+    the forward on 4 warps as at B4 H8 (where its products load the bf16 start tiles) or its
+    default here (8)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     with jax.default_matmul_precision("highest"):
-        o, g = _joint_outputs_and_grads("pallas", dtype, interpret=False, **sizes)
+        o, g = _joint_outputs_and_grads("pallas", dtype, interpret=False, block_sizes=MLPGpuBlockSizes(
+            num_warps_fwd=fwd_warps), **sizes)
         o_r, g_r = _joint_outputs_and_grads("chunk", dtype, **sizes)
     tol = TOL if dtype == jnp.float32 else BF16_TOL
     assert rel(o, o_r) <= tol

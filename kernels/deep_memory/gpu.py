@@ -343,6 +343,7 @@ def _fwd_kernel(r, cfg: _Cfg):
         r["s_" + name][(bh, 0) + _tile_index(name, cols)] = initial.astype(r["s_" + name].dtype)
         if cfg.low_starts:
             r["run_" + name][(bh, 0) + _tile_index(name, cols)] = initial
+    _cta_barrier(cfg)   # the initial tiles stored before chunk 0 loads them
 
     def chunk(i, stuck):
         # A state tile is loaded where it is used and loaded again later rather than kept: four
@@ -357,14 +358,21 @@ def _fwd_kernel(r, cfg: _Cfg):
             # chunk's start tiles are loaded once, at its start, rather than where each is used
             # (titans B1 T16384 H8: 0.982 on an H200, one command)
             start = {name: start(name) for name in names}.__getitem__
+        if cfg.low_starts and cfg.num_warps_fwd < 8:
+            # the products' operands from the bf16 start tiles, half the bytes of the float32
+            # ones (titans B4 T4096 H8: 0.978 on an H200, one command); where the float32 tiles
+            # are loaded once (8 warps) their casts cost nothing (B1 T16384: 0.999)
+            operand_of = lambda name: r["s_" + name][(bh, i) + _tile_index(name, cols)]
+        else:
+            operand_of = lambda name: operand(start(name))
         a = r["a"][bh, i, :, :]
         a = a if cfg.low else a.astype(F32)
-        z = mm_(a, start("w0"))
+        z = mm_(a, operand_of("w0"))
         hidden, slope = act_and_grad(cfg.activation, z)
         if cfg.sources:
             r["o_hidden"][bh, i, :, cols] = hidden.astype(r["o_hidden"].dtype)
         slot = lax.rem(i, 2)
-        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), start("w1"))
+        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), operand_of("w1"))
 
         def finish(rows, y, owner):   # Y's rows stored, E's returned
             if cfg.residual:
@@ -375,7 +383,7 @@ def _fwd_kernel(r, cfg: _Cfg):
         e, stuck = _head_sum(cfg, r, bh, j, i, stuck, finish)
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         decay = _scalar(r["decay"], bh, i)
-        d0 = mm_nt_(e, start("w1")) * slope
+        d0 = mm_nt_(e, operand_of("w1")) * slope
         if cfg.sources:
             r["o_d0"][bh, i, :, cols] = d0.astype(r["o_d0"].dtype)
 
