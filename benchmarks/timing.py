@@ -191,7 +191,8 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
     call}; else empty: an event's kernel is found by name among the HLO instructions (fusions keep their
     names as kernel names, "." written "_") and its op_name metadata says the scope; "bwd" when
     the op is in the transposed (backward) part. Custom kernels without HLO names count under
-    their own name. Every kernel's row (with its op_name) is written to ``trace_dir``/kernels.json."""
+    their own name. Every kernel's row (with its op_name and, where the trace has it, its launch:
+    "regs:… dynamic_shared:… grid:… block:… occ_pct:…") is written to ``trace_dir``/kernels.json."""
     import gzip
     import jax
 
@@ -206,18 +207,20 @@ def trace_kernels(call, trace_dir, *, calls=3, top=25, hlo_text=None, scopes=())
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                    and "/device:" in str(e.get("args", {}).get("name", ""))}
     device_events = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
-    sums = {}
+    sums, details = {}, {}
     for e in device_events:
         ms, count = sums.get(e["name"], (0.0, 0))
         sums[e["name"]] = (ms + e["dur"] / 1e3 / calls, count + 1)
+        # CUPTI's launch record: registers a thread, shared memory, grid, block, occupancy
+        details.setdefault(e["name"], e.get("args", {}).get("kernel_details"))
     rows = sorted(((name, ms, count // calls) for name, (ms, count) in sums.items()), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
     op_names = dict(re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*?op_name="([^"]*)"', hlo_text or ""))
     op_of = lambda name: op_names.get(name) or op_names.get(re.sub(r"_(\d+)$", r".\1", name))
     # every kernel, not only the top ones, with its op_name where the HLO has it
     with open(pathlib.Path(trace_dir) / "kernels.json", "w") as f:
-        json.dump([dict(name=name, ms=round(ms, 4), count=count, op=op_of(name)) for name, ms, count in rows],
-                  f, indent=0)
+        json.dump([dict(name=name, ms=round(ms, 4), count=count, op=op_of(name), launch=details.get(name))
+                   for name, ms, count in rows], f, indent=0)
     if not scopes:
         return rows[:top], total, {}
     by_scope = {}
