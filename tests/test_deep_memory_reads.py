@@ -150,10 +150,13 @@ def test_state_pass_and_reads_bf16_equal_the_references(pairs, fwd_warps):
         assert tree_rel(x, y) <= BF16_TOL, (i, tree_rel(x, y))
 
 
+TITANS_WIDTHS = dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,sizes,fwd_warps", [(jnp.float32, dict(h=128), None),
-                                                   (jnp.bfloat16, dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128), None),
-                                                   (jnp.bfloat16, dict(B=2, N=3, b=64, n=64, d=128, h=512, dv=128), 4)])
+                                                   (jnp.bfloat16, TITANS_WIDTHS, None),
+                                                   (jnp.bfloat16, TITANS_WIDTHS, 4)])
 def test_gpu_state_pass_and_reads_equal_the_references(dtype, sizes, fwd_warps):
     """Compiled, with several hidden tiles a head in both kernels (what interpret mode cannot run);
     the forward on 4 warps as at B4 H8 (where its products load the bf16 start tiles) or its

@@ -13,9 +13,9 @@ columns, W1's rows and the momentum's, for all N chunks of its head. Per chunk, 
 Every chunk's start state and Y are kept (outputs: the dual form's reads and the backward need
 them). On the joint route with the reads (``factors``) and bf16 sources the start states are kept
 in bf16, as the products take them (the scalar cotangents' inner products below read those
-copies too: within the bf16 bar, tested), while the recursion carries float32 tiles in a running buffer
-of two slots a head: titans' layer 0.972 (B4 T4096) and 0.953 (B1 T16384) of the float32 starts
-(H200, one command; benchmarks/results/titans_kept_starts_h200_2026-11-29.md). With
+copies too: within the bf16 bar, tested), while the recursion carries float32 tiles in a running
+buffer of two slots a head: titans' layer 0.972 (B4 T4096) and 0.953 (B1 T16384) of the float32
+starts (H200, one command; benchmarks/results/titans_kept_starts_h200_2026-11-29.md). With
 ``sources`` H_j and D_j are kept too, in the sources' dtype (the reads' source pass:
 `state_pass.MLPSources`, whose cotangents join A_j, Ĥ_j and Ê below). Backward, chunks from the
 last, with the chunk-end cotangents X0_j, X1_j (θ) and M0_j, M1_j (momentum) of tile j, and
