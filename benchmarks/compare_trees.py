@@ -13,6 +13,9 @@ load hit both alike. Reports each tree's median over rounds and the ratio to the
     # a deep-memory layer (deep_memory.py's entries, bf16 q/k/v, impl auto: the kernel route on a GPU)
     python3 benchmarks/compare_trees.py --tree before=build/before --tree after=build/after \\
         --shape 4,4096,8,128 --presets titans --impl auto --rounds 3
+    # the same tree with its deep-memory kernels capped at 128 registers a thread (register_cap.py)
+    python3 benchmarks/compare_trees.py --tree main=build/after --tree cap128=build/after \
+        --maxnreg cap128=128 --shape 4,4096,8,128 --presets titans --impl auto --rounds 2
 
 JSON of every round goes to --out (default $OUT) as compare_trees.json.
 """
@@ -52,6 +55,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per round")
     ap.add_argument("--out", default=None, help="folder for compare_trees.json (default $OUT)")
+    ap.add_argument("--maxnreg", action="append", default=[], metavar="NAME=CAP",
+                    help="compile tree NAME's deep-memory kernels (mlp_*) with at most CAP registers a "
+                         "thread (register_cap.py: an experiment on jax's private Triton lowering); "
+                         "NAME may repeat another tree's PATH under a new name")
     args = ap.parse_args()
     if args.ops is None:   # a deep-memory comparison does not also spend device time on the ops
         args.ops = [] if args.presets else ["gdn", "deltanet", "kda"]
@@ -60,12 +67,18 @@ def main():
     import jax.numpy as jnp
 
     trees = [t.split("=", 1) for t in args.tree]
+    caps = {name: int(cap) for name, cap in (c.split("=", 1) for c in args.maxnreg)}
+    if set(caps) - {name for name, _ in trees}:
+        ap.error(f"--maxnreg names trees that --tree does not: {sorted(set(caps) - {n for n, _ in trees})}")
     B, T, H, D = args.shape
     inputs = {op: timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
               for op in args.ops}
     compiled = {}
     for name, root in trees:
         t0 = time.perf_counter()
+        if caps:
+            import register_cap
+            register_cap.set_cap(caps.get(name))   # at lowering: this tree's compiles below
         ops = timing.import_tree(root)
         for preset in args.presets:   # inputs per tree: the state comes from the tree's own spec
             spec = deep_memory.build(preset)
