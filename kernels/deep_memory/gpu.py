@@ -50,34 +50,25 @@ state (1 MiB per head) every iteration, and one program per head walking its til
 kernel before) leaves most of the GPU idle. Here every tile stays with one program for the whole
 sequence.
 
-Measured on an H200 (2026-11-26, titans sizes: B4 H8, 64 chunks of 64, d 128, h 512, momentum,
-GELU, every start state kept, bf16 sources; benchmarks/results/titans_persistent_h200_2026-11-26.md,
-its later sections): forward 3.7 ms against ~4.9 for the XLA scan, forward + backward 17.8 ms with
-the backward kernel against 20.0 with the forward kernel and XLA's reverse pass (~24.6 all in XLA).
-Both kernels use all 255 registers a thread and still spill (ncu: ~1.3 GB of local-memory loads
-forward, ~15 GB backward) — why a tile is loaded where it is used rather than kept — so the
-backward (~225 µs a chunk against the forward's ~58) is bound by its spills, not by its dots or
-its barrier. At B1 H8 (64 programs, fewer than the GPU's multiprocessors) eight warps a backward
-program win (29.5 against 34.8 ms for 256 chunks; XLA's reverse pass 31.3); at B4 (256 programs)
-four (18.2 against 20.4 with eight): eight warps take a whole multiprocessor's registers, and then
-256 programs no longer run at once. ``num_warps_bwd=None`` picks by that count, and the forward's
-alike. Tiles (2026-11-27, titans' layer fwd+bwd, each pair of trees in one command on an H200): the
-forward takes 32 wide (B1 T16384 H8: 29.37 -> 27.61 ms, forward 7.81 -> 6.11; B4 T4096: 21.07 ->
-20.53 with 4 warps, forward 5.88 -> 5.36; 16 wide loses, 6.10 -> 8.31 forward at B1); the backward
-16 wide with paired products (below) on 4 warps: B1 T16384 27.61 -> 24.56 ms against 32
-(2026-11-27), and with the kernel of 2026-11-29 at B4 T4096 17.68 -> 16.05 ms against 64 wide
-unpaired (32 wide: 16.57) and B8 T2048 18.59 -> 16.91 (32 wide: 17.44), where on 2026-11-27's
-kernel narrower tiles lost at B4 (21.05 with 64, 22.03 with 32, 24.81 with 16;
-benchmarks/results/titans_ablations_h200_2026-11-29.md). Without momentum (ttt_mlp: unpaired) the
-backward takes 32 wide where those programs outnumber the multiprocessors: B4 T4096 H8 10.64 ->
-9.25 ms against 16 (64 wide: 10.55), while at B1 T16384 H8 32 wide (128 programs, so 8 warps)
-took 13.36 against 11.36 (H200, one command each, 2026-11-29;
-benchmarks/results/titans_kept_starts_h200_2026-11-29.md). titans' memory layer (bf16,
-forward+backward, H8 D128) against titans-pytorch's NeuralMemory in one command: B4 T4096 20.7
-against 104.5 ms, B1 T16384 24.9 against 101.8 (2026-11-27;
-benchmarks/results/deep_memory_h200_2026-11-27f.md); the XLA dual form 33.6–34.0 at B4 in earlier
-commands. float32 sources with TF32 dots: forward level with XLA (with exact dots ~2× that: the
-six-dot products); so `impl="auto"` takes this kernel for bf16 inputs only.
+Where the time goes (H200, 2026-11-29; benchmarks/results/titans_kept_starts_h200_2026-11-29.md):
+every kernel here takes all 255 registers a thread (12.5% occupancy: two 4-warp programs a
+multiprocessor), and the backward's chain takes ~27 µs a chunk whether its programs are all
+resident (B1 T16384 H8) or run in waves of heads (B4 T4096 H8: ~4 waves). It is bound by the
+chain's latency on a program, not by bandwidth, by its dots or by the count of multiprocessors;
+hence tiles loaded where used rather than kept (held, they spill), narrow backward tiles (fewer
+values a thread) and warps chosen by residency. The defaults, each from a same-command comparison
+of titans' layer (bf16, forward+backward, H8 D128; older kernels' numbers and the rest of the
+history: benchmarks/results/deep_memory_gpu_kernel_history.md):
+
+- warps: 8 where a kernel's programs fit one a multiprocessor, else 4 (eight warps take a whole
+  multiprocessor's registers: the backward on 8 warps at B4 and B1 takes 1.38× and 1.36×);
+- forward tiles 32 wide (16 wide: 1.062 at B4 T4096, 1.019 at B1 T16384);
+- backward tiles 16 wide with paired products (below) where there is momentum: B4 T4096 17.68 ->
+  16.05 ms against 64 wide unpaired (32 wide: 16.57), B8 T2048 18.59 -> 16.91; without momentum
+  (ttt_mlp, unpaired) 32 wide where those programs outnumber the multiprocessors (B4 T4096 10.64
+  -> 9.25 ms against 16), else 16 (at B1 T16384 32 wide, on 8 warps, took 13.36 against 11.36);
+- `impl="auto"` takes these kernels for bf16 inputs only: with float32 sources and TF32 dots the
+  forward runs level with XLA, with exact dots at about twice its time.
 
 Paired products (``pair_products``, with momentum): the backward keeps each tile's X and M side by
 side (W0's columns, W1's rows: `_half`), so that the products of the chunk's rows with both are
