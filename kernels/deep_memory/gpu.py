@@ -127,9 +127,10 @@ SPIN_CAP = 1 << 16
 @dataclasses.dataclass(frozen=True)
 class MLPGpuBlockSizes:
     """block_hidden / block_hidden_bwd: hidden units per program of the forward / backward kernel
-    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 32) forward, and 16
-    backward where h >= 64, else h; module docstring); in interpret mode both must be h (one tile
-    per head, module docstring).
+    (powers of two >= 16 dividing h padded to a power of two; None: min(h, 32) forward; backward h
+    where h < 64, else 16 with momentum (paired) and, without, 32 where those programs outnumber
+    the multiprocessors, else 16; module docstring); in interpret mode both must be h (one tile per
+    head, module docstring).
     num_warps_fwd / num_warps_bwd: warps per program (None: 8 when that kernel's programs fit one
     per multiprocessor, else 4; module docstring). dots: the float32 sources' products, "exact"
     (default) or "tf32" (bf16 sources always take bf16 dots). backward: "kernel" (the persistent
@@ -286,9 +287,10 @@ def _head_sum(cfg, r, bh, j, step, stuck, finish):
     head's tiles divide the rows, in two stages: tile j adds every tile's rows of block j and
     finishes them into r["total"], a second barrier, then every tile loads the total — an eighth
     of the loads of every tile adding every share (titans B4 T4096: eight tiles of [64, 128] each;
-    the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one command), and the float32 [n, dv] tiles ``finish`` loads (targets, Y's cotangent) are loaded
-    once a head, a block by each tile, rather than whole by every tile (18.15 -> 17.69 ms at B4,
-    18.50 -> 17.08 at B1 T16384, one command each)."""
+    the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one command), and the float32 [n, dv] tiles
+    ``finish`` loads (targets, Y's cotangent) are loaded once a head, a block by each tile, rather
+    than whole by every tile (18.15 -> 17.69 ms at B4, 18.50 -> 17.08 at B1 T16384, one command
+    each)."""
     tiles, slot = cfg.tiles, lax.rem(step, 2)
     n, dv = r["share"].shape[-2:]
     if tiles == 1 or n % tiles:   # one barrier a step; tile 0 owns every row
@@ -476,10 +478,8 @@ def _bwd_kernel(r, cfg: _Cfg):
         # the paired path loads its products' tiles once, below): the start state's from s_, the
         # carried cotangent X / M (chunk i's end state's) from df_ for the last chunk, else from
         # g_[i + 1] (this program's own writes of the chunk before, behind the CTA barrier).
-        if cfg.low_starts:   # kept in bf16, the products' operand dtype
-            st = lambda name: r["s_" + name][(bh, i) + _tile_index(name, cols)]
-        else:
-            st = lambda name: load_f32(r["s_" + name], (bh, i) + _tile_index(name, cols))
+        # in the dtype kept: float32, or bf16 on the joint route (the products' operand dtype)
+        st = lambda name: r["s_" + name][(bh, i) + _tile_index(name, cols)]
         if pairs:
             # tile j's X0 and M0 columns side by side in one buffer (X1 and M1 rows), so that the
             # products that take both (a X0 and a M0, ...) are one product over the pair
