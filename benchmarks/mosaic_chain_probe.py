@@ -386,6 +386,7 @@ def main():
         else:
             print(f"| {r['variant']} | {r['steps']} | {r['ms']} | {r['us_per_chunk']} | {r['us_per_product']} | "
                   f"{r['rel_err']:.1e} |")
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "mosaic_chain_probe.json"), "w") as fh:
         json.dump(dict(device=device, jax=jax.__version__, programs=args.programs, chunks=args.chunks, rows=rows),
                   fh, indent=1)
