@@ -10,7 +10,10 @@ PTX's ``.maxnreg``): `set_cap` wraps Pallas' (private) Triton lowering so that t
 kernels whose name contains one of ``names`` carry it.
 
 This touches jax's private `jax._src.pallas.triton` modules (checked against jax 0.10.2's
-lowering); it belongs to the benchmarks, not to the library, until a measurement says it pays.
+lowering); it belongs to the benchmarks, not to the library. Measured (H200, jax 0.11.2,
+titans' layer, one command): jaxlib's Triton honours the cap, and the spills cost more than the
+occupancy gains: 168 registers 1.31× the time at B4 T4096 and 1.30× at B1 T16384, 128 registers
+1.54× and 1.56× (benchmarks/results/titans_register_cap_h200_2026-11-29b.md).
 
     import register_cap
     register_cap.set_cap(128)     # kernels compiled from here on: mlp_* capped at 128
