@@ -39,7 +39,9 @@ sources' dtype; summed in the kernel through the barrier's shares it was slower,
 ([B·H, N, ...], written over the start states' own cotangents, the first the initial state's)
 instead of one in place, so that the three scalar cotangents are one XLA pass rather than six tile
 products and full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with
-that pass.
+that pass. (Again at 16-wide paired tiles, 2026-11-29: those reductions in the kernel, its carried
+cotangents in two slots a head instead of kept, took titans' layer 1.07× the time for 2 GiB less
+peak at B4 T4096 and B1 T16384 H8; benchmarks/results/titans_register_cap_h200_2026-11-29b.md.)
 A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the barrier
 needs only a head's tiles resident at once, not the whole grid. A spin that reaches its cap (a
 deadlock) poisons that head's results with NaN rather than returning wrong numbers.
@@ -67,6 +69,8 @@ history: benchmarks/results/deep_memory_gpu_kernel_history.md):
   16.05 ms against 64 wide unpaired (32 wide: 16.57), B8 T2048 18.59 -> 16.91; without momentum
   (ttt_mlp, unpaired) 32 wide where those programs outnumber the multiprocessors (B4 T4096 10.64
   -> 9.25 ms against 16), else 16 (at B1 T16384 32 wide, on 8 warps, took 13.36 against 11.36);
+- no register cap and one pipeline stage: Triton's `ttg.maxnreg` (benchmarks/register_cap.py) at
+  168 / 128 registers spills, 1.31× / 1.54× at B4 T4096; two stages change nothing (1.000);
 - `impl="auto"` takes these kernels for bf16 inputs only: with float32 sources and TF32 dots the
   forward runs level with XLA, with exact dots at about twice its time.
 
