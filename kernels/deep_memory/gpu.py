@@ -35,7 +35,14 @@ The sums over tiles that feed back into the chunk recursion (Y forward, Ê backw
 double-buffered [2, tiles] slot per head and a grid barrier (an atomic counter per head, spun on
 with atomic reads); those that do not (â, r̂, ρ̂) are written per tile and summed in XLA (â in the
 sources' dtype; summed in the kernel through the barrier's shares it was slower, 24.97 against
-24.54 ms for titans' layer below). The backward keeps every chunk's start-state cotangent
+24.54 ms for titans' layer below). The backward's Ê shares and total are stored in the sources'
+dtype (bf16 on the fast path, the dtype Ê takes as the products' operand) and summed in float32:
+half the bytes a head's tiles exchange through L2 every chunk, titans' layer 0.958 at B4 T4096 and
+0.970 at B1 T16384 H8 of the float32 exchange (H200, one command; the total alone in bf16: 0.987
+and 1.000; benchmarks/results/titans_register_cap_h200_2026-11-29b.md). The barrier itself keeps
+a head's tiles on one chunk, which is what lets their loads of the chunk's shared operands meet in
+L2: without the head sum (each tile its own share, wrong numbers) the layer took 1.27× / 1.40×.
+The backward keeps every chunk's start-state cotangent
 ([B·H, N, ...], written over the start states' own cotangents, the first the initial state's)
 instead of one in place, so that the three scalar cotangents are one XLA pass rather than six tile
 products and full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with
@@ -266,10 +273,10 @@ def _grid_barrier(cfg, cnt, bh, target):
 
 
 def _tile_sum(ref, bh, slot, tiles, shape, rows=slice(None)):
-    """Σ over the head's tiles of their shares in ``slot``, of ``rows`` (volatile loads: other
-    programs wrote them)."""
-    return lax.fori_loop(0, tiles, lambda q, acc: acc + plgpu.load(ref.at[bh, slot, q, rows], volatile=True),
-                         jnp.zeros(shape, F32))
+    """Σ over the head's tiles of their shares in ``slot``, of ``rows``, in float32 whatever the
+    shares' dtype (volatile loads: other programs wrote them)."""
+    share = lambda q: plgpu.load(ref.at[bh, slot, q, rows], volatile=True).astype(F32)
+    return lax.fori_loop(0, tiles, lambda q, acc: acc + share(q), jnp.zeros(shape, F32))
 
 
 def _when(owner, store):
@@ -294,7 +301,8 @@ def _head_sum(cfg, r, bh, j, step, stuck, finish):
     the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one command), and the float32 [n, dv] tiles
     ``finish`` loads (targets, Y's cotangent) are loaded once a head, a block by each tile, rather
     than whole by every tile (18.15 -> 17.69 ms at B4, 18.50 -> 17.08 at B1 T16384, one command
-    each)."""
+    each). The shares and the total are stored in their refs' dtype (the backward's: bf16 with
+    bf16 sources) and summed in float32."""
     tiles, slot = cfg.tiles, lax.rem(step, 2)
     n, dv = r["share"].shape[-2:]
     if tiles == 1 or n % tiles:   # one barrier a step; tile 0 owns every row
@@ -305,9 +313,11 @@ def _head_sum(cfg, r, bh, j, step, stuck, finish):
     block = n // tiles
     rows = pl.ds(pl.multiple_of(j * block, block), block)
     total = _tile_sum(r["share"], bh, slot, tiles, (block, dv), rows)
-    r["total"][bh, slot, rows, :] = finish(rows, jnp.where(stuck, jnp.nan, total), True)
+    finished = finish(rows, jnp.where(stuck, jnp.nan, total), True)
+    r["total"][bh, slot, rows, :] = finished.astype(r["total"].dtype)
     stuck = jnp.logical_or(stuck, _grid_barrier(cfg, r["count"], bh, tiles * (2 * step + 2)))
-    return jnp.where(stuck, jnp.nan, plgpu.load(r["total"].at[bh, slot], volatile=True)), stuck
+    total = plgpu.load(r["total"].at[bh, slot], volatile=True).astype(F32)
+    return jnp.where(stuck, jnp.nan, total), stuck
 
 
 def _names(cfg):
@@ -560,7 +570,7 @@ def _bwd_kernel(r, cfg: _Cfg):
             q = big_a * slope
             z_hat_of = lambda e_w1: (h_hat + e_w1) * slope + big_a * g_curve
         slot = lax.rem(k, 2)
-        r["share"][bh, slot, j, :, :] = e_share + mm_(operand(q), st("w1"))
+        r["share"][bh, slot, j, :, :] = (e_share + mm_(operand(q), st("w1"))).astype(r["share"].dtype)
 
         def finish(rows, e_hat, owner):   # the targets' rows stored, Ê's returned
             _when(owner, lambda: r["dt"].__setitem__((bh, i, rows, all_), -e_hat))
@@ -695,7 +705,11 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
             "drows": sds(BH, N, tiles, n)}
     if cfg.momentum:
         outs.update(dmrows=sds(BH, N, tiles, n))
-    outs.update(share=sds(BH, 2, tiles, n, dv), total=sds(BH, 2, n, dv), count=jax.ShapeDtypeStruct((BH,), jnp.int32))
+    # Ê's shares and total in the products' dtype (the dtype Ê takes as their operand; summed in
+    # float32): half the bytes a head's tiles exchange through L2 every chunk
+    exchanged = a.dtype if cfg.low else F32
+    outs.update(share=jax.ShapeDtypeStruct((BH, 2, tiles, n, dv), exchanged),
+                total=jax.ShapeDtypeStruct((BH, 2, n, dv), exchanged), count=jax.ShapeDtypeStruct((BH,), jnp.int32))
     in_names, out_names = list(ins) + ["count_in"], list(outs)
 
     def kernel(*refs):
