@@ -42,9 +42,8 @@ half the bytes a head's tiles exchange through L2 every chunk, titans' layer 0.9
 and 1.000; benchmarks/results/titans_register_cap_h200_2026-11-29b.md). The barrier itself keeps
 a head's tiles on one chunk, which is what lets their loads of the chunk's shared operands meet in
 L2: without the head sum (each tile its own share, wrong numbers) the layer took 1.27× / 1.40×.
-The backward keeps every chunk's start-state cotangent
-([B·H, N, ...], written over the start states' own cotangents, the first the initial state's)
-instead of one in place, so that the three scalar cotangents are one XLA pass rather than six tile
+The backward keeps every chunk's start-state cotangent ([B·H, N, ...], written over the start
+states' own cotangents, the first the initial state's) instead of one in place, so that the three scalar cotangents are one XLA pass rather than six tile
 products and full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with
 that pass. (Again at 16-wide paired tiles, 2026-11-29: those reductions in the kernel, its carried
 cotangents in two slots a head instead of kept, took titans' layer 1.07× the time for 2 GiB less
@@ -62,9 +61,9 @@ sequence.
 Where the time goes (H200, 2026-11-29; benchmarks/results/titans_kept_starts_h200_2026-11-29.md):
 every kernel here takes all 255 registers a thread (12.5% occupancy: two 4-warp programs a
 multiprocessor), and the backward's chain takes ~27 µs a chunk whether its programs are all
-resident (B1 T16384 H8) or run in waves of heads (B4 T4096 H8: ~4 waves). It is bound by the
-chain's latency on a program, not by bandwidth, by its dots or by the count of multiprocessors;
-hence tiles loaded where used rather than kept (held, they spill), narrow backward tiles (fewer
+resident (B1 T16384 H8) or run in waves of heads (B4 T4096 H8: ~4 waves). It is bound mostly by
+the chain's latency on a program, not by its dots or by the count of multiprocessors, and then by
+the L2 traffic a head's tiles share (the Ê exchange above: 0.958 at half its bytes); hence tiles loaded where used rather than kept (held, they spill), narrow backward tiles (fewer
 values a thread) and warps chosen by residency. The defaults, each from a same-command comparison
 of titans' layer (bf16, forward+backward, H8 D128; older kernels' numbers and the rest of the
 history: benchmarks/results/deep_memory_gpu_kernel_history.md):
@@ -707,9 +706,9 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
         outs.update(dmrows=sds(BH, N, tiles, n))
     # Ê's shares and total in the products' dtype (the dtype Ê takes as their operand; summed in
     # float32): half the bytes a head's tiles exchange through L2 every chunk
-    exchanged = a.dtype if cfg.low else F32
-    outs.update(share=jax.ShapeDtypeStruct((BH, 2, tiles, n, dv), exchanged),
-                total=jax.ShapeDtypeStruct((BH, 2, n, dv), exchanged), count=jax.ShapeDtypeStruct((BH,), jnp.int32))
+    exchanged = lambda *s: jax.ShapeDtypeStruct(s, a.dtype if cfg.low else F32)
+    outs.update(share=exchanged(BH, 2, tiles, n, dv), total=exchanged(BH, 2, n, dv),
+                count=jax.ShapeDtypeStruct((BH,), jnp.int32))
     in_names, out_names = list(ins) + ["count_in"], list(outs)
 
     def kernel(*refs):
