@@ -39,7 +39,9 @@ sources' dtype; summed in the kernel through the barrier's shares it was slower,
 dtype (bf16 on the fast path, the dtype Ê takes as the products' operand) and summed in float32:
 half the bytes a head's tiles exchange through L2 every chunk, titans' layer 0.958 at B4 T4096 and
 0.970 at B1 T16384 H8 of the float32 exchange (H200, one command; the total alone in bf16: 0.987
-and 1.000; benchmarks/results/titans_register_cap_h200_2026-11-29b.md). The barrier itself keeps
+and 1.000; benchmarks/results/titans_register_cap_h200_2026-11-29b.md). The forward's Y shares and
+its E total alike (Y stored in float32 from the float32 sum): 0.990 / 0.992 (the total alone 1.007
+/ 0.997; benchmarks/results/titans_y_exchange_h200_2026-11-29c.md). The barrier itself keeps
 a head's tiles on one chunk, which is what lets their loads of the chunk's shared operands meet in
 L2: without the head sum (each tile its own share, wrong numbers) the layer took 1.27× / 1.40×.
 The backward keeps every chunk's start-state cotangent ([B·H, N, ...], written over the start
@@ -300,7 +302,7 @@ def _head_sum(cfg, r, bh, j, step, stuck, finish):
     the layer's fwd+bwd 22.52 -> 21.41 ms on an H200, one command), and the float32 [n, dv] tiles
     ``finish`` loads (targets, Y's cotangent) are loaded once a head, a block by each tile, rather
     than whole by every tile (18.15 -> 17.69 ms at B4, 18.50 -> 17.08 at B1 T16384, one command
-    each). The shares and the total are stored in their refs' dtype (the backward's: bf16 with
+    each). The shares and the total are stored in their refs' dtype (bf16 with
     bf16 sources) and summed in float32."""
     tiles, slot = cfg.tiles, lax.rem(step, 2)
     n, dv = r["share"].shape[-2:]
@@ -378,7 +380,7 @@ def _fwd_kernel(r, cfg: _Cfg):
         if cfg.sources:
             r["o_hidden"][bh, i, :, cols] = hidden.astype(r["o_hidden"].dtype)
         slot = lax.rem(i, 2)
-        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), operand_of("w1"))
+        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), operand_of("w1")).astype(r["share"].dtype)
 
         def finish(rows, y, owner):   # Y's rows stored, E's returned
             if cfg.residual:
@@ -434,9 +436,12 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
         shapes.update(m0=(d, h), m1=(h, dv))
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
     kept = lambda *s: jax.ShapeDtypeStruct(s, BF16 if cfg.low_starts else F32)
+    # Y's shares and E in the sources' dtype, summed in float32, as the backward's Ê (Y itself is
+    # stored in float32 from that sum)
+    exchanged = lambda *s: jax.ShapeDtypeStruct(s, a.dtype if cfg.low else F32)
     outs = {**{"s_" + k: kept(BH, N, *s) for k, s in shapes.items()},
             **{"f_" + k: sds(BH, *s) for k, s in shapes.items()},
-            "y": sds(BH, N, n, dv), "share": sds(BH, 2, cfg.tiles, n, dv), "total": sds(BH, 2, n, dv),
+            "y": sds(BH, N, n, dv), "share": exchanged(BH, 2, cfg.tiles, n, dv), "total": exchanged(BH, 2, n, dv),
             "count": jax.ShapeDtypeStruct((BH,), jnp.int32)}
     if cfg.low_starts:
         outs.update({"run_" + k: sds(BH, 2, *s) for k, s in shapes.items()})
