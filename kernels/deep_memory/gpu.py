@@ -380,7 +380,8 @@ def _fwd_kernel(r, cfg: _Cfg):
         if cfg.sources:
             r["o_hidden"][bh, i, :, cols] = hidden.astype(r["o_hidden"].dtype)
         slot = lax.rem(i, 2)
-        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), operand_of("w1")).astype(r["share"].dtype)
+        w1_operand = operand_of("w1")   # for the share and for D
+        r["share"][bh, slot, j, :, :] = mm_(operand(hidden), w1_operand).astype(r["share"].dtype)
 
         def finish(rows, y, owner):   # Y's rows stored, E's returned
             if cfg.residual:
@@ -391,7 +392,7 @@ def _fwd_kernel(r, cfg: _Cfg):
         e, stuck = _head_sum(cfg, r, bh, j, i, stuck, finish)
         rows = load_f32(r["rows"], (bh, i, all_))[:, None]
         decay = _scalar(r["decay"], bh, i)
-        d0 = mm_nt_(e, operand_of("w1")) * slope
+        d0 = mm_nt_(e, w1_operand) * slope
         if cfg.sources:
             r["o_d0"][bh, i, :, cols] = d0.astype(r["o_d0"].dtype)
 
@@ -415,8 +416,12 @@ def _fwd_kernel(r, cfg: _Cfg):
             w, m = "w" + layer, "m" + layer
             update = decay * start(w) + mm_tn_(left, operand(rows * right))
             if cfg.momentum:
-                update = update + carry * start(m)
-                put(m, mcarry * start(m) + mm_tn_(left, operand(mrows * right)))
+                # loaded once for both updates (where start tiles are not preloaded: titans'
+                # layer 0.991 at B4 T4096 with W1's operand above, 1.002 at B1 T16384 H8, where
+                # only that applies; H200, one command)
+                m_start = start(m)
+                update = update + carry * m_start
+                put(m, mcarry * m_start + mm_tn_(left, operand(mrows * right)))
             put(w, update)
 
         _cta_barrier(cfg)   # this chunk's end state is stored before the next chunk loads it
