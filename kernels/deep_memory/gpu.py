@@ -64,10 +64,11 @@ Where the time goes (H200, 2026-11-29; benchmarks/results/titans_kept_starts_h20
 every kernel here takes all 255 registers a thread (12.5% occupancy: two 4-warp programs a
 multiprocessor), and the backward's chain takes ~27 µs a chunk (~25 after the bf16 exchanges and
 the single loads above; benchmarks/results/titans_y_exchange_h200_2026-11-29c.md) whether its
-programs are all resident (B1 T16384 H8) or run in waves of heads (B4 T4096 H8: ~4 waves). It is bound mostly by
-the chain's latency on a program, not by its dots or by the count of multiprocessors, and then by
-the L2 traffic a head's tiles share (the Ê exchange above: 0.958 at half its bytes); hence tiles loaded where used rather than kept (held, they spill), narrow backward tiles (fewer
-values a thread) and warps chosen by residency. The defaults, each from a same-command comparison
+programs are all resident (B1 T16384 H8) or run in waves of heads (B4 T4096 H8: ~4 waves). It is
+bound mostly by the chain's latency on a program, not by its dots or by the count of
+multiprocessors, and then by the L2 traffic a head's tiles share (the Ê exchange above: 0.958 at
+half its bytes); hence tiles loaded where used rather than kept (held, they spill), narrow
+backward tiles (fewer values a thread) and warps chosen by residency. The defaults, each from a same-command comparison
 of titans' layer (bf16, forward+backward, H8 D128; older kernels' numbers and the rest of the
 history: benchmarks/results/deep_memory_gpu_kernel_history.md):
 

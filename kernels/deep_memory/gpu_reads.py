@@ -32,7 +32,9 @@ file.
 Precision: bf16 queries and sources give every product bf16 operands (float32 accumulation), as
 the dual form's reads take them with bf16 q, k, v (the kept Z, q W0, q m0 are bf16 then); float32
 ones float32-accurate products (six bf16 dots of split operands in the kernel, `gpu_math._dot`;
-HIGHEST precision in XLA). The Gram matrices, the coefficients and every sum are float32. Zero
+HIGHEST precision in XLA). The Gram matrices, the coefficients and every sum are float32; with bf16
+operands the backward's [P, b, h] products that feed only Ẑ's elementwise terms round their outputs
+to bf16 too (`backward_parts`). Zero
 padding (every size to a power of two >= 16) changes no number, for activations with σ(0) = 0
 (`support` module docstring): a padded query row has P = c = 0 and a zero row of M, a padded
 source a zero column of M, a padded hidden unit zero columns of W0, m0 and D and rows of W1, m1.
@@ -188,11 +190,6 @@ def backward_parts(cfg, res, do):
         return jnp.einsum(spec, x.astype(operand), y.astype(operand), preferred_element_type=out,
                           precision=precision)
 
-    # the [P, b, h] products that only feed Ẑ's elementwise terms: in the operands' dtype (float32
-    # accumulation, one rounding), half the bytes XLA writes and reads back (titans' layer 0.981 at
-    # B4 T4096 and 0.983 at B1 T16384 H8 of float32 products; H200, one command)
-    wide = operand
-
     if cfg.low and "w0_b" in kept:
         w0, w1, m0, m1 = (kept.get(k + "_b") for k in ("w0", "w1", "m0", "m1"))
     else:   # float32, or kept in bf16 by the state pass
@@ -200,12 +197,16 @@ def backward_parts(cfg, res, do):
     fs_, sc_ = fs[..., None], None if sc is None else sc[..., None]
     z, zw = kept["z"].astype(F32), kept["zw"].astype(F32)
     hidden, slope = act_and_grad(cfg.activation, z, erf=lax.erf)
-    ow = dot("PBV,PHV->PBH", do, w1, wide).astype(F32)
+    # the [P, b, h] products that feed only Ẑ's elementwise terms (Ȳ W1ᵀ, the rows' term, Ȳ m1ᵀ)
+    # come out in the operands' dtype (float32 accumulation, one rounding): half the bytes XLA writes
+    # and reads back (titans' layer 0.981 at B4 T4096 and 0.983 at B1 T16384 H8 of float32 outputs;
+    # H200, one command)
+    ow = dot("PBV,PHV->PBH", do, w1, operand).astype(F32)
     s1 = dot("PBV,PNV->PBN", do, e)
     g1_bar = s1 * rows
-    h_bar = fs_ * ow + dot("PBN,PNH->PBH", g1_bar, hid, wide).astype(F32)
+    h_bar = fs_ * ow + dot("PBN,PNH->PBH", g1_bar, hid, operand).astype(F32)
     if cfg.momentum:
-        om = dot("PBV,PHV->PBH", do, m1, wide).astype(F32)
+        om = dot("PBV,PHV->PBH", do, m1, operand).astype(F32)
         h_bar = h_bar + sc_ * om
     z_bar = h_bar * slope
     d_fs = jnp.sum(hidden * ow + z_bar * zw, axis=-1)
