@@ -45,11 +45,12 @@ its E total alike (Y stored in float32 from the float32 sum): 0.990 / 0.992 (the
 a head's tiles on one chunk, which is what lets their loads of the chunk's shared operands meet in
 L2: without the head sum (each tile its own share, wrong numbers) the layer took 1.27× / 1.40×.
 The backward keeps every chunk's start-state cotangent ([B·H, N, ...], written over the start
-states' own cotangents, the first the initial state's) instead of one in place, so that the three scalar cotangents are one XLA pass rather than six tile
-products and full-tile reductions per chunk in the kernel: the layer 23.64 against 24.55 ms, with
-that pass. (Again at 16-wide paired tiles, 2026-11-29: those reductions in the kernel, its carried
-cotangents in two slots a head instead of kept, took titans' layer 1.07× the time for 2 GiB less
-peak at B4 T4096 and B1 T16384 H8; benchmarks/results/titans_register_cap_h200_2026-11-29b.md.)
+states' own cotangents, the first the initial state's) instead of one in place, so that the three
+scalar cotangents are one XLA pass rather than six tile products and full-tile reductions per chunk
+in the kernel: the layer 23.64 against 24.55 ms, with that pass. (Again at 16-wide paired tiles,
+2026-11-29: those reductions in the kernel, its carried cotangents in two slots a head instead of
+kept, took titans' layer 1.07× the time for 2 GiB less peak at B4 T4096 and B1 T16384 H8;
+benchmarks/results/titans_register_cap_h200_2026-11-29b.md.)
 A head's tiles are consecutive programs (the tile index is the fastest grid axis), so the barrier
 needs only a head's tiles resident at once, not the whole grid. A spin that reaches its cap (a
 deadlock) poisons that head's results with NaN rather than returning wrong numbers.
@@ -68,9 +69,9 @@ programs are all resident (B1 T16384 H8) or run in waves of heads (B4 T4096 H8: 
 bound mostly by the chain's latency on a program, not by its dots or by the count of
 multiprocessors, and then by the L2 traffic a head's tiles share (the Ê exchange above: 0.958 at
 half its bytes); hence tiles loaded where used rather than kept (held, they spill), narrow
-backward tiles (fewer values a thread) and warps chosen by residency. The defaults, each from a same-command comparison
-of titans' layer (bf16, forward+backward, H8 D128; older kernels' numbers and the rest of the
-history: benchmarks/results/deep_memory_gpu_kernel_history.md):
+backward tiles (fewer values a thread) and warps chosen by residency. The defaults, each from a
+same-command comparison of titans' layer (bf16, forward+backward, H8 D128; older kernels' numbers
+and the rest of the history: benchmarks/results/deep_memory_gpu_kernel_history.md):
 
 - warps: 8 where a kernel's programs fit one a multiprocessor, else 4 (eight warps take a whole
   multiprocessor's registers: the backward on 8 warps at B4 and B1 takes 1.38× and 1.36×);
@@ -105,8 +106,8 @@ code with the barrier trivially met; the cross-tile sums are checked on a GPU.
 Precision: bf16 sources take bf16 tensor-core dots (float32 accumulation), every operand of the
 backward's dots bf16 too; float32 sources take six bf16 dots of split operands per product
 (``dots="exact"``, the default: float32-accurate, the delta family's scheme) or one TF32 dot
-(``dots="tf32"``, what XLA does for a float32 matmul on these GPUs at JAX's default precision). States, coefficients, cotangents and every
-accumulation are float32.
+(``dots="tf32"``, what XLA does for a float32 matmul on these GPUs at JAX's default precision).
+States, coefficients, cotangents and every accumulation are float32.
 """
 
 from __future__ import annotations
@@ -223,6 +224,13 @@ class _Cfg(support.PassCfg):
     @property
     def tiles(self):
         return self.hidden // self.block_hidden
+
+
+def _exchanged(cfg, a, *shape):
+    """A head sum's shares or total (Y forward, Ê backward): in the sources' dtype on the bf16 path
+    (the dtype the sum takes as the products' operand; summed in float32), else float32 — half the
+    bytes a head's tiles exchange through L2 every chunk (module docstring)."""
+    return jax.ShapeDtypeStruct(shape, a.dtype if cfg.low else F32)
 
 
 def _multiprocessors():
@@ -443,12 +451,11 @@ def _forward(cfg: _Cfg, state: MLPStates, a, t, rows, mrows, decay, carry, mcarr
         shapes.update(m0=(d, h), m1=(h, dv))
     sds = lambda *s: jax.ShapeDtypeStruct(s, F32)
     kept = lambda *s: jax.ShapeDtypeStruct(s, BF16 if cfg.low_starts else F32)
-    # Y's shares and E in the sources' dtype, summed in float32, as the backward's Ê (Y itself is
-    # stored in float32 from that sum)
-    exchanged = lambda *s: jax.ShapeDtypeStruct(s, a.dtype if cfg.low else F32)
     outs = {**{"s_" + k: kept(BH, N, *s) for k, s in shapes.items()},
             **{"f_" + k: sds(BH, *s) for k, s in shapes.items()},
-            "y": sds(BH, N, n, dv), "share": exchanged(BH, 2, cfg.tiles, n, dv), "total": exchanged(BH, 2, n, dv),
+            # Y stored in float32 from the float32 sum of the exchanged shares
+            "y": sds(BH, N, n, dv), "share": _exchanged(cfg, a, BH, 2, cfg.tiles, n, dv),
+            "total": _exchanged(cfg, a, BH, 2, n, dv),
             "count": jax.ShapeDtypeStruct((BH,), jnp.int32)}
     if cfg.low_starts:
         outs.update({"run_" + k: sds(BH, 2, *s) for k, s in shapes.items()})
@@ -674,15 +681,13 @@ def _unpairs(v, tiles, axis):
     return tuple(jnp.take(both, k, axis=ax + 1).reshape(half) for k in (0, 1))
 
 
-def _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_, left=None):
+def _start_cotangent(r, cfg, name, bh, i, cols, idx, mm_tn_, left):
     """What chunk i's start state `name` receives directly (its tile): loaded, or formed from the
-    reads' `StartFactors` (``left``: their left operand for this layer, already loaded)."""
+    reads' `StartFactors` with ``left``, their left operand for this layer (q_w, or h_w's tile)."""
     if not cfg.factors:
         return load_f32(r["ds_" + name], idx)
     if name in ("w0", "m0"):
-        left = r["f_q_w"][bh, i, :, :] if left is None else left
         return mm_tn_(left, r["f_u0" if name == "w0" else "f_v0"][bh, i, :, cols])
-    left = r["f_h_w"][bh, i, :, cols] if left is None else left
     return mm_tn_(left, r["f_u1" if name == "w1" else "f_v1"][bh, i, :, :])
 
 
@@ -723,10 +728,7 @@ def _backward(cfg: _Cfg, starts: MLPStates, y, a, t, rows, mrows, decay, carry, 
             "drows": sds(BH, N, tiles, n)}
     if cfg.momentum:
         outs.update(dmrows=sds(BH, N, tiles, n))
-    # Ê's shares and total in the products' dtype (the dtype Ê takes as their operand; summed in
-    # float32): half the bytes a head's tiles exchange through L2 every chunk
-    exchanged = lambda *s: jax.ShapeDtypeStruct(s, a.dtype if cfg.low else F32)
-    outs.update(share=exchanged(BH, 2, tiles, n, dv), total=exchanged(BH, 2, n, dv),
+    outs.update(share=_exchanged(cfg, a, BH, 2, tiles, n, dv), total=_exchanged(cfg, a, BH, 2, n, dv),
                 count=jax.ShapeDtypeStruct((BH,), jnp.int32))
     in_names, out_names = list(ins) + ["count_in"], list(outs)
 
