@@ -67,13 +67,15 @@ def _outputs_and_grads(impl, args, *, activation, residual, block_sizes=None, in
     return o, grads
 
 
-@pytest.mark.parametrize("momentum,residual,activation,dtype", [
-    (True, False, "gelu", jnp.float32), (False, True, "silu", jnp.float32), (True, True, "tanh", jnp.bfloat16)])
-def test_reads_kernel_equals_reference(momentum, residual, activation, dtype):
-    """b = 11 queries, n = 13 sources, d = dv = 8, h = 40: every size padded, four tiles of 16."""
+@pytest.mark.parametrize("momentum,residual,activation,dtype,walk", [
+    (True, False, "gelu", jnp.float32, None), (False, True, "silu", jnp.float32, 2),
+    (True, True, "tanh", jnp.bfloat16, 1)])
+def test_reads_kernel_equals_reference(momentum, residual, activation, dtype, walk):
+    """b = 11 queries, n = 13 sources, d = dv = 8, h = 40: every size padded, four tiles of 16,
+    taken by one program (walk None), by two programs of two tiles, or a program each."""
     args = _operands(1, momentum, dtype=dtype)
     got = _outputs_and_grads("pallas", args, activation=activation, residual=residual,
-                             block_sizes=MLPReadsGpuBlockSizes(block_hidden=16))
+                             block_sizes=MLPReadsGpuBlockSizes(block_hidden=16, tiles_per_program=walk))
     want = _outputs_and_grads("chunk", args, activation=activation, residual=residual)
     tol = TOL if dtype == jnp.float32 else BF16_TOL
     assert rel(got[0], want[0]) <= tol
@@ -235,6 +237,9 @@ def test_errors():
         mlp_reads(*args, activation="relu", impl="pallas")
     with pytest.raises(ValueError, match=r"`block_sizes.block_hidden` must be a power of two >= 16 dividing"):
         mlp_reads(*args, activation="gelu", impl="pallas", block_sizes=MLPReadsGpuBlockSizes(block_hidden=24))
+    with pytest.raises(ValueError, match=r"`block_sizes.tiles_per_program` must divide the 4 hidden tiles; got 3"):
+        mlp_reads(*args, activation="gelu", impl="pallas",
+                  block_sizes=MLPReadsGpuBlockSizes(block_hidden=16, tiles_per_program=3))
     with pytest.raises(TypeError, match=r"must share one dtype"):
         mlp_reads(args[0], args[1].astype(jnp.bfloat16), *args[2:], activation="gelu", impl="pallas")
 

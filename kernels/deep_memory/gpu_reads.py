@@ -3,11 +3,19 @@ docstring): the forward as a Pallas GPU kernel (Triton lowering), the backward i
 values the kernel keeps.
 
 Every chunk reads independently of the others (its start state is an input), so a program owns
-one hidden tile j (``block_hidden`` units) of one chunk of one sequence·head, and the tiles'
-shares of the output are summed in XLA ([P, tiles, b, dv]):
+a group of ``tiles_per_program`` hidden tiles j (``block_hidden`` units each) of one chunk of one
+sequence·head, taken one after another, and the groups' shares of the output are summed in XLA
+([P, groups, b, dv]):
 
-    Z_j = P ⊙ (q W0_j) + c ⊙ (q m0_j) + G0 D_j,   G0 = M ⊙ (q aᵀ),   Ĥ_j = σ(Z_j)
-    O_j = P ⊙ (Ĥ_j W1_j) + c ⊙ (Ĥ_j m1_j) + (M ⊙ Ĥ_j H_jᵀ) E   (+ q, tile 0, with the residual)
+    G0 = M ⊙ (q aᵀ)   (once a program)
+    Z_j = P ⊙ (q W0_j) + c ⊙ (q m0_j) + G0 D_j,   Ĥ_j = σ(Z_j)
+    O_g = Σ_{j in g} [P ⊙ (Ĥ_j W1_j) + c ⊙ (Ĥ_j m1_j)] + (M ⊙ Σ_{j in g} Ĥ_j H_jᵀ) E
+          (+ q, group 0, with the residual)
+
+Four tiles of 64 a program (titans' h 512: two groups a chunk) take titans' layer 0.976 at B4
+T4096 and 0.979 at B1 T16384 H8 of a program a tile; all eight 0.989 / 0.990, two 0.991 / 0.992
+(H200, one command; benchmarks/results/titans_reads_walk_h200_2026-11-29d.md): the group shares
+G0 and E's product, and XLA sums fewer float32 shares.
 
 The kernel rounds each tile of the chunk's start state to bf16 where it loads it (for bf16
 inputs; on the joint route, `gpu_split`, the state pass keeps them in bf16 already) and keeps
@@ -66,13 +74,15 @@ _FN = "mlp_reads_gpu"
 
 @dataclasses.dataclass(frozen=True)
 class MLPReadsGpuBlockSizes:
-    """block_hidden: hidden units a program takes (a power of two >= 16 dividing h padded to a
-    power of two; None: min(h, 64)); num_warps: warps per program. On an H200 (titans B4 T4096,
-    the layer's fwd+bwd against 64 units on 4 warps, one command, before the kernel kept θ's bf16
-    operands): 32 units 1.021x, 128 units on 8 warps 1.002x (results file in the module
-    docstring)."""
+    """block_hidden: hidden units of a tile (a power of two >= 16 dividing h padded to a power of
+    two; None: min(h, 64)); tiles_per_program: tiles a program takes one after another (dividing
+    the tile count; None: min(tiles, 4), module docstring); num_warps: warps per program. On an
+    H200 (titans B4 T4096, the layer's fwd+bwd against 64 units on 4 warps, one command, a tile a
+    program, before the kernel kept θ's bf16 operands): 32 units 1.021x, 128 units on 8 warps
+    1.002x (results file in the module docstring)."""
     block_hidden: int | None = None
     num_warps: int = 4
+    tiles_per_program: int | None = None
 
     def check(self, h):
         b = self.block_hidden
@@ -92,10 +102,15 @@ class _Cfg:
     block_hidden: int
     num_warps: int
     interpret: bool
+    walk: int = 1           # hidden tiles a program takes one after another
 
     @property
     def tiles(self):
         return self.hidden // self.block_hidden
+
+    @property
+    def groups(self):
+        return self.tiles // self.walk
 
 
 def _names(cfg):
@@ -123,34 +138,45 @@ def _weight(r, cfg, name, p, cols):
 
 
 def _fwd_kernel(r, cfg: _Cfg):
-    """Hidden tile j of chunk p: its share of O, and what the backward keeps of it."""
-    j, p, all_ = pl.program_id(0), pl.program_id(1), slice(None)
+    """Hidden tiles g·walk ... g·walk + walk − 1 of chunk p: their share of O, and what the
+    backward keeps of them."""
+    g, p, all_ = pl.program_id(0), pl.program_id(1), slice(None)
     dot = lambda f: functools.partial(f, low=cfg.low, exact=False)
     mm_, mm_nt_ = dot(mm), dot(mm_nt)
     operand = (lambda x: x.astype(BF16)) if cfg.low else (lambda x: x)
     q, a = r["q"][p, :, :], r["a"][p, :, :]
     rows = load_f32(r["rows"], (p, all_, all_))
     fs = _rows(r["fs"], p)
-    cols = pl.ds(pl.multiple_of(j * cfg.block_hidden, cfg.block_hidden), cfg.block_hidden)
-    zw = mm_(q, _weight(r, cfg, "w0", p, cols))
-    z = fs * zw + mm_(operand(rows * mm_nt_(q, a)), r["d0"][p, :, cols])
-    kept = {"z": z, "zw": zw}
-    if cfg.momentum:
-        sc = _rows(r["sc"], p)
-        kept["zm"] = mm_(q, _weight(r, cfg, "m0", p, cols))
-        z = z + sc * kept["zm"]
-        kept["z"] = z
-    for name, value in kept.items():
-        r[name][p, :, cols] = value.astype(r[name].dtype)
-    hidden = operand(act_and_grad(cfg.activation, z)[0])
-    out = fs * mm_(hidden, _weight(r, cfg, "w1", p, cols))
-    if cfg.momentum:
-        out = out + sc * mm_(hidden, _weight(r, cfg, "m1", p, cols))
-    g1 = mm_nt_(hidden, r["hid"][p, :, cols])
+    sc = _rows(r["sc"], p) if cfg.momentum else None
+    g0 = operand(rows * mm_nt_(q, a))   # M ⊙ (q aᵀ), shared by the program's tiles
+
+    def tile(t, acc):
+        out, g1 = acc
+        j = g * cfg.walk + t
+        cols = pl.ds(pl.multiple_of(j * cfg.block_hidden, cfg.block_hidden), cfg.block_hidden)
+        zw = mm_(q, _weight(r, cfg, "w0", p, cols))
+        z = fs * zw + mm_(g0, r["d0"][p, :, cols])
+        kept = {"z": z, "zw": zw}
+        if cfg.momentum:
+            kept["zm"] = mm_(q, _weight(r, cfg, "m0", p, cols))
+            z = z + sc * kept["zm"]
+            kept["z"] = z
+        for name, value in kept.items():
+            r[name][p, :, cols] = value.astype(r[name].dtype)
+        hidden = operand(act_and_grad(cfg.activation, z)[0])
+        out = out + fs * mm_(hidden, _weight(r, cfg, "w1", p, cols))
+        if cfg.momentum:
+            out = out + sc * mm_(hidden, _weight(r, cfg, "m1", p, cols))
+        # Σ over the tiles of Ĥ_j H_jᵀ, taken by E once after the last
+        return out, g1 + mm_nt_(hidden, r["hid"][p, :, cols])
+
+    b, dv = r["o"].shape[-2:]
+    zeros = lambda *shape: jnp.zeros(shape, F32)
+    out, g1 = lax.fori_loop(0, cfg.walk, tile, (zeros(b, dv), zeros(b, r["a"].shape[-2])))
     out = out + mm_(operand(rows * g1), operand(load_f32(r["e"], (p, all_, all_))))
-    if cfg.residual:   # tile 0 adds it
-        out = out + (1 - jnp.minimum(j, 1)).astype(F32) * q.astype(F32)
-    r["o"][p, j, :, :] = out
+    if cfg.residual:   # group 0 adds it
+        out = out + (1 - jnp.minimum(g, 1)).astype(F32) * q.astype(F32)
+    r["o"][p, g, :, :] = out
 
 
 def forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
@@ -161,7 +187,7 @@ def forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
     ins = dict(q=q, a=a, hid=hid, d0=d0, e=e, rows=rows, fs=fs, sc=sc, **dict(zip(("w0", "w1", "m0", "m1"), starts)))
     ins = {k: v for k, v in ins.items() if v is not None}
     kept = jax.ShapeDtypeStruct((P, b, cfg.hidden), q.dtype)
-    outs = {"o": jax.ShapeDtypeStruct((P, cfg.tiles, b, dv), F32), "z": kept, "zw": kept}
+    outs = {"o": jax.ShapeDtypeStruct((P, cfg.groups, b, dv), F32), "z": kept, "zw": kept}
     if cfg.momentum:
         outs["zm"] = kept
     if cfg.low and starts.w0.dtype != BF16:
@@ -171,7 +197,7 @@ def forward(cfg, starts, q, a, hid, d0, e, fs, sc, rows):
     def body(*refs):
         _fwd_kernel(dict(zip(in_names + out_names, refs)), cfg)
 
-    res = pl.pallas_call(body, grid=(cfg.tiles, P), out_shape=list(outs.values()),
+    res = pl.pallas_call(body, grid=(cfg.groups, P), out_shape=list(outs.values()),
                          compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
                          interpret=cfg.interpret, name="mlp_reads_gpu_fwd")(*ins.values())
     res = dict(zip(out_names, res))
@@ -306,6 +332,11 @@ def reads_config(h, momentum, low, *, activation, residual, interpret, block_siz
     if bs.block_hidden is None:
         bs = dataclasses.replace(bs, block_hidden=min(hp, 64))
     bs.check(hp)
+    tiles = hp // bs.block_hidden
+    walk = min(tiles, 4) if bs.tiles_per_program is None else bs.tiles_per_program   # module docstring
+    if not is_int(walk) or walk < 1 or tiles % walk:
+        raise ValueError(f"{_FN}: argument `block_sizes.tiles_per_program` must divide the {tiles} hidden tiles; "
+                         f"got {walk!r}.")
     return _Cfg(momentum=momentum, residual=bool(residual), activation=activation, low=low, hidden=hp,
-                block_hidden=bs.block_hidden, num_warps=bs.num_warps,
+                block_hidden=bs.block_hidden, num_warps=bs.num_warps, walk=walk,
                 interpret=bool(default_interpret() if interpret is None else interpret))
