@@ -67,15 +67,16 @@ def _outputs_and_grads(impl, args, *, activation, residual, block_sizes=None, in
     return o, grads
 
 
-@pytest.mark.parametrize("momentum,residual,activation,dtype,walk", [
+@pytest.mark.parametrize("momentum,residual,activation,dtype,per_program", [
     (True, False, "gelu", jnp.float32, None), (False, True, "silu", jnp.float32, 2),
     (True, True, "tanh", jnp.bfloat16, 1)])
-def test_reads_kernel_equals_reference(momentum, residual, activation, dtype, walk):
+def test_reads_kernel_equals_reference(momentum, residual, activation, dtype, per_program):
     """b = 11 queries, n = 13 sources, d = dv = 8, h = 40: every size padded, four tiles of 16,
-    taken by one program (walk None), by two programs of two tiles, or a program each."""
+    taken by one program (per_program None: the default, four), by two programs of two tiles, or
+    a program each."""
     args = _operands(1, momentum, dtype=dtype)
     got = _outputs_and_grads("pallas", args, activation=activation, residual=residual,
-                             block_sizes=MLPReadsGpuBlockSizes(block_hidden=16, tiles_per_program=walk))
+                             block_sizes=MLPReadsGpuBlockSizes(block_hidden=16, tiles_per_program=per_program))
     want = _outputs_and_grads("chunk", args, activation=activation, residual=residual)
     tol = TOL if dtype == jnp.float32 else BF16_TOL
     assert rel(got[0], want[0]) <= tol

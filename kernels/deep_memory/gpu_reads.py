@@ -15,7 +15,9 @@ sequence·head, taken one after another, and the groups' shares of the output ar
 Four tiles of 64 a program (titans' h 512: two groups a chunk) take titans' layer 0.976 at B4
 T4096 and 0.979 at B1 T16384 H8 of a program a tile; all eight 0.989 / 0.990, two 0.991 / 0.992
 (H200, one command; benchmarks/results/titans_reads_walk_h200_2026-11-29d.md): the group shares
-G0 and E's product, and XLA sums fewer float32 shares.
+G0 and E's product, and XLA sums fewer float32 shares. Against four of 64 on 4 warps (one
+command): on 8 warps 1.033, tiles of 32 four or eight a program 1.021 / 1.013, tiles of 128 two a
+program on 8 warps 1.031 (B4; B1 alike).
 
 The kernel rounds each tile of the chunk's start state to bf16 where it loads it (for bf16
 inputs; on the joint route, `gpu_split`, the state pass keeps them in bf16 already) and keeps
@@ -102,7 +104,7 @@ class _Cfg:
     block_hidden: int
     num_warps: int
     interpret: bool
-    walk: int = 1           # hidden tiles a program takes one after another
+    tiles_per_program: int = 1   # hidden tiles a program takes one after another
 
     @property
     def tiles(self):
@@ -110,7 +112,7 @@ class _Cfg:
 
     @property
     def groups(self):
-        return self.tiles // self.walk
+        return self.tiles // self.tiles_per_program
 
 
 def _names(cfg):
@@ -138,8 +140,8 @@ def _weight(r, cfg, name, p, cols):
 
 
 def _fwd_kernel(r, cfg: _Cfg):
-    """Hidden tiles g·walk ... g·walk + walk − 1 of chunk p: their share of O, and what the
-    backward keeps of them."""
+    """Hidden tiles g·k ... g·k + k − 1 of chunk p (k tiles a program): their share of O, and what
+    the backward keeps of them."""
     g, p, all_ = pl.program_id(0), pl.program_id(1), slice(None)
     dot = lambda f: functools.partial(f, low=cfg.low, exact=False)
     mm_, mm_nt_ = dot(mm), dot(mm_nt)
@@ -152,7 +154,7 @@ def _fwd_kernel(r, cfg: _Cfg):
 
     def tile(t, acc):
         out, g1 = acc
-        j = g * cfg.walk + t
+        j = g * cfg.tiles_per_program + t
         cols = pl.ds(pl.multiple_of(j * cfg.block_hidden, cfg.block_hidden), cfg.block_hidden)
         zw = mm_(q, _weight(r, cfg, "w0", p, cols))
         z = fs * zw + mm_(g0, r["d0"][p, :, cols])
@@ -172,7 +174,7 @@ def _fwd_kernel(r, cfg: _Cfg):
 
     b, dv = r["o"].shape[-2:]
     zeros = lambda *shape: jnp.zeros(shape, F32)
-    out, g1 = lax.fori_loop(0, cfg.walk, tile, (zeros(b, dv), zeros(b, r["a"].shape[-2])))
+    out, g1 = lax.fori_loop(0, cfg.tiles_per_program, tile, (zeros(b, dv), zeros(b, r["a"].shape[-2])))
     out = out + mm_(operand(rows * g1), operand(load_f32(r["e"], (p, all_, all_))))
     if cfg.residual:   # group 0 adds it
         out = out + (1 - jnp.minimum(g, 1)).astype(F32) * q.astype(F32)
@@ -333,10 +335,10 @@ def reads_config(h, momentum, low, *, activation, residual, interpret, block_siz
         bs = dataclasses.replace(bs, block_hidden=min(hp, 64))
     bs.check(hp)
     tiles = hp // bs.block_hidden
-    walk = min(tiles, 4) if bs.tiles_per_program is None else bs.tiles_per_program   # module docstring
-    if not is_int(walk) or walk < 1 or tiles % walk:
+    per_program = min(tiles, 4) if bs.tiles_per_program is None else bs.tiles_per_program   # module docstring
+    if not is_int(per_program) or per_program < 1 or tiles % per_program:
         raise ValueError(f"{_FN}: argument `block_sizes.tiles_per_program` must divide the {tiles} hidden tiles; "
-                         f"got {walk!r}.")
+                         f"got {per_program!r}.")
     return _Cfg(momentum=momentum, residual=bool(residual), activation=activation, low=low, hidden=hp,
-                block_hidden=bs.block_hidden, num_warps=bs.num_warps, walk=walk,
+                block_hidden=bs.block_hidden, num_warps=bs.num_warps, tiles_per_program=per_program,
                 interpret=bool(default_interpret() if interpret is None else interpret))
