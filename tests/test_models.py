@@ -15,8 +15,10 @@ from atlas_jax.models.layers import MemoryLayer
 
 B, T = 2, 16
 # Compiling dominates these tests; the ATLAS family (Muon + polynomial features + Omega window) takes
-# several times longer than the rest, so its whole-model check runs with the slow tests.
-_SLOW_MODELS = {"atlas", "atlas_pp", "atlas_mag", "atlas_mal", "atlas_mac"}
+# several times longer than the rest, so its whole-model check runs with the slow tests; so does
+# moneta_h's (yaad_h and memora_h check the same Samba-style hybrid), to keep `make test` under 20
+# minutes.
+_SLOW_MODELS = {"atlas", "atlas_pp", "atlas_mag", "atlas_mal", "atlas_mac", "moneta_h"}
 
 
 def _tokens(seed, shape, vocab=256):
