@@ -89,7 +89,9 @@ def main():
                                 ("fwdbwd", fwdbwd, (q, k, v, knobs, state, do))):
                 if mode in args.modes:
                     exe = fn.lower(*a).compile()
-                    jax.block_until_ready(exe(*a))
+                    out = jax.block_until_ready(exe(*a))
+                    if not all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(out)):
+                        timing.log(f"[warning] {name} {preset} {mode}: non-finite outputs (timed all the same)")
                     compiled[(name, preset, mode)] = (exe, a)
         for op in args.ops:
             fwd, fwdbwd = timing.op_fns(ops, op, args.impl)
