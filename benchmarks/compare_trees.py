@@ -90,7 +90,7 @@ def main():
                 if mode in args.modes:
                     exe = fn.lower(*a).compile()
                     out = jax.block_until_ready(exe(*a))
-                    if not all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(out)):
+                    if not deep_memory.all_finite(out):
                         timing.log(f"[warning] {name} {preset} {mode}: non-finite outputs (timed all the same)")
                     compiled[(name, preset, mode)] = (exe, a)
         for op in args.ops:

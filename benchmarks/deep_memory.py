@@ -72,6 +72,12 @@ def build(name):
 STEP_SIZE_MAX = 1e-3
 
 
+def all_finite(tree) -> bool:
+    """Whether every leaf of ``tree`` (a call's outputs and gradients) is finite."""
+    import jax
+    return all(bool(jax.numpy.isfinite(x).all()) for x in jax.tree.leaves(tree))
+
+
 def inputs(spec, B, T, H, D, seed=0, dtype="float32"):
     import jax
     import jax.numpy as jnp
@@ -151,7 +157,7 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
         t = time.perf_counter()
         result = jax.block_until_ready(call())
         first = time.perf_counter() - t
-        row["finite"] = all(bool(jax.numpy.isfinite(x).all()) for x in jax.tree.leaves(result))
+        row["finite"] = all_finite(result)
         if first > SLOW_CALL_S:
             t = time.perf_counter()
             for _ in range(2):
