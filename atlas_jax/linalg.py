@@ -42,8 +42,11 @@ def _dimension_numbers(layout, ndim):
     return ((ndim + cx,), (ndim + cy,)), (batch, batch)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def product(x, y, layout: str, operands=None):
+AS_FORWARD = "as_forward"   # `product`'s and `gram`'s default ``backward_operands``
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def product(x, y, layout: str, operands=None, backward_operands=AS_FORWARD, precision=None):
     """x·y over the last two axes in ``layout`` ("nn": x y, "nt": x yᵀ, "tn": xᵀ y; the leading axes,
     the same on both, are a batch), each cotangent formed by such a product in its operand's own
     layout.
@@ -53,7 +56,11 @@ def product(x, y, layout: str, operands=None):
     B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: omeganet 40.33 -> 39.66
     ms, atlas 180.06 -> 179.05). ``operands``: both operands cast to that dtype, a float32 result,
     and the backward casts the cotangent too, where autodiff's transpose would multiply the float32
-    cotangent with a cast operand (a float32, i.e. TF32, product). None: the promoted dtype."""
+    cotangent with a cast operand (a float32, i.e. TF32, product). None: the promoted dtype.
+    ``backward_operands``: the dtype the backward's two products take instead (`AS_FORWARD`: the
+    same as the forward), for a product whose cotangent must not be rounded (`newton_schulz`).
+    ``precision``: `lax.dot_general`'s, forward and backward (HIGHEST: float32 products on a GPU,
+    whose default rounds float32 operands to TF32)."""
     if x.ndim != y.ndim or x.ndim < 2 or x.shape[:-2] != y.shape[:-2]:
         raise ValueError(f"product: arguments `x` and `y` must be matrices with the same leading (batch) axes; "
                          f"got shapes {tuple(x.shape)} and {tuple(y.shape)}.")
@@ -62,18 +69,21 @@ def product(x, y, layout: str, operands=None):
     dims = _dimension_numbers(layout, x.ndim)
     if operands is None:
         dtype = jnp.promote_types(x.dtype, y.dtype)
-        return lax.dot_general(x.astype(dtype), y.astype(dtype), dims)
-    return lax.dot_general(x.astype(operands), y.astype(operands), dims, preferred_element_type=jnp.float32)
+        return lax.dot_general(x.astype(dtype), y.astype(dtype), dims, precision=precision)
+    return lax.dot_general(x.astype(operands), y.astype(operands), dims, precision=precision,
+                           preferred_element_type=jnp.float32)
 
 
-def _product_fwd(x, y, layout, operands):
-    return product(x, y, layout, operands), (x, y)
+def _product_fwd(x, y, layout, operands, backward_operands, precision):
+    return product(x, y, layout, operands, backward_operands, precision), (x, y)
 
 
-def _product_bwd(layout, operands, residuals, g):
+def _product_bwd(layout, operands, backward_operands, precision, residuals, g):
     x, y = residuals
     named = {"x": x, "y": y, "g": g}
-    dx, dy = (product(named[left], named[right], inner, operands) for inner, left, right in _COTANGENTS[layout])
+    operands = operands if backward_operands == AS_FORWARD else backward_operands
+    dx, dy = (product(named[left], named[right], inner, operands, AS_FORWARD, precision)
+              for inner, left, right in _COTANGENTS[layout])
     return dx.astype(x.dtype), dy.astype(y.dtype)
 
 
@@ -83,10 +93,10 @@ product.defvjp(_product_fwd, _product_bwd)
 _GRAM_SIDES = ("tn", "nt")     # xᵀx, x xᵀ
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gram(x, side: str, operands=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gram(x, side: str, operands=None, backward_operands=AS_FORWARD):
     """The Gram matrix of x over its last two axes: xᵀx (``side`` "tn", [n, n] for x [m, n]) or x xᵀ
-    ("nt", [m, m]); leading axes are a batch. ``operands`` as in `product`.
+    ("nt", [m, m]); leading axes are a batch. ``operands``, ``backward_operands`` as in `product`.
 
     Why not ``product(x, x, ...)``: its backward forms the two operands' cotangents by two products
     and adds them; the Gram matrix's is one, x (g + gᵀ) (or (g + gᵀ) x), so a tall momentum's Gram
@@ -99,11 +109,12 @@ def gram(x, side: str, operands=None):
     return product(x, x, side, operands)
 
 
-def _gram_fwd(x, side, operands):
-    return gram(x, side, operands), x
+def _gram_fwd(x, side, operands, backward_operands):
+    return gram(x, side, operands, backward_operands), x
 
 
-def _gram_bwd(side, operands, x, g):
+def _gram_bwd(side, operands, backward_operands, x, g):
+    operands = operands if backward_operands == AS_FORWARD else backward_operands
     both = g + jnp.swapaxes(g, -1, -2)
     dx = product(x, both, "nn", operands) if side == "tn" else product(both, x, "nn", operands)
     return (dx.astype(x.dtype),)

@@ -220,8 +220,9 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
 
     Frobenius-normalised first (so every singular value starts ≤ 1); a tall matrix is transposed so
     that the Gram matrix A is the smaller one. The iterate, the norm and every accumulation are
-    float32; ``operand_dtype`` "bfloat16" rounds the matmuls' operands to bf16 (Muon's practice:
-    about twice the tensor-core rate of TF32; the result moves by a few 1e-2 of its largest entry).
+    float32; ``operand_dtype`` "bfloat16" rounds the forward matmuls' operands to bf16 (Muon's
+    practice: about twice the tensor-core rate of TF32; the result moves by a few 1e-2 of its
+    largest entry), while the backward's take float32 ones (below).
 
     ``method``: the same polynomial of X evaluated two ways. "direct" iterates on X [n, m] (n ≤ m):
     two n × n × m products per step. "gram" iterates on n × n matrices only: every step is
@@ -252,11 +253,15 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     if method not in NS_METHODS:
         raise ValueError(f"newton_schulz: argument `method` must be one of {NS_METHODS}; got {method!r}.")
     a, b, c = coefficients
-    # bf16 operands through `linalg.product`, whose backward casts the cotangent too (autodiff's
-    # transposes would multiply it in float32 with a bf16 operand: TF32 products)
+    # bf16 operands through `linalg.product`, the backward's products on float32 ones: NS's
+    # derivative is up to a^J ≈ 480 on x's near-null directions, and a cotangent rounded to bf16
+    # there leaks into the rest, chunk after chunk in the dual form (atlas with ns_dtype="bfloat16",
+    # B1 T16384 H8 D128 bf16 on an H200: max |dk| of the first 2048 tokens 7.8e15 with the backward
+    # on bf16 operands, 2.8 on float32 ones, float32 throughout 0.74; 1.16× the layer's time at B1
+    # T4096; benchmarks/results/atlas_backward_growth_h200_2026-11-29.md)
     low = None if operand_dtype == "float32" else jnp.dtype(NS_DTYPES[operand_dtype])
     kept = (lambda u: u) if residual_name is None else (lambda u: checkpoint_name(u, residual_name))
-    mm = lambda u, v: product(u, v, "nn", low)
+    mm = lambda u, v: product(u, v, "nn", low, None)
     x = x.astype(jnp.float32)
     # A tall matrix keeps its layout: its Gram matrix is XᵀX and the polynomial multiplies from the
     # right (X (bA + cA²)ᵀ for the wide (bA + cA²) X), the same products without transposing a
@@ -264,8 +269,8 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     tall = x.shape[-2] > x.shape[-1]
     # (`linalg.gram`: one state-sized product in its backward, x (g + gᵀ), where product(x, x)'s
     # backward takes two and their sum)
-    gram_of = lambda u: kept(gram_matrix(u, "tn" if tall else "nt", low))
-    apply_left = (lambda left, u: product(u, left, "nt", low)) if tall else mm
+    gram_of = lambda u: kept(gram_matrix(u, "tn" if tall else "nt", low, None))
+    apply_left = (lambda left, u: product(u, left, "nt", low, None)) if tall else mm
     # A zero momentum (an empty packed row, a token without gradient) must give a zero direction
     # and a finite gradient: √ has an infinite derivative at 0, so take it only where it is > 0.
     sq = jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
@@ -358,8 +363,8 @@ def muon(step_size: float = 1.0, momentum_decay: float = 0.9, ns_steps: int = 5,
       is what the O(T·d) dual form (forms/dual.py) needs.
 
     ``ns_dtype``: Newton–Schulz's matmul operands, "float32" (default) or "bfloat16" (as Muon runs
-    it; the iterate and the accumulations stay float32). NS on [d_φ, h] momenta is most of ATLAS'
-    FLOPs.
+    it; the iterate, the accumulations and the backward's products stay float32). NS on [d_φ, h]
+    momenta is most of ATLAS' FLOPs.
 
     ``ns_method``: how Newton–Schulz is evaluated (`newton_schulz`): "direct", "gram" (through the
     n × n Gram matrix, for tall momenta) or "auto" (default: "gram" where it saves work).

@@ -95,6 +95,37 @@ def test_product_has_the_matmul_value_and_derivatives_in_every_layout(layout):
         product(x[0], y, layout)
 
 
+def test_product_and_gram_take_the_backward_operands_and_precision_asked_for():
+    """``backward_operands`` (float32 cotangents behind a bf16 forward: `newton_schulz`) and
+    ``precision`` (HIGHEST: exact float32 products on a GPU, whose default is TF32; the dual form's
+    chunk-end momentum before Newton–Schulz) reach the backward's products as well as the forward's,
+    and the values are unchanged: the same sums as without them (float32) or the plain product's
+    within bf16 rounding (2e-2)."""
+    from helpers import equations, rel
+    ks = jax.random.split(jax.random.PRNGKey(21), 3)
+    x, y = jax.random.normal(ks[0], (2, 7, 11)), jax.random.normal(ks[1], (2, 11, 5))
+    probe = jax.random.normal(ks[2], (2, 7, 5))
+
+    def dots(f):
+        closed = jax.make_jaxpr(jax.grad(lambda x, y: jnp.sum(f(x, y) * probe), (0, 1)))(x, y)
+        return [(tuple(str(v.aval.dtype) for v in e.invars), e.params["precision"])
+                for e in equations(closed.jaxpr) if e.primitive.name == "dot_general"]
+
+    bf16, f32, hi = jnp.dtype(jnp.bfloat16), "float32", jax.lax.Precision.HIGHEST
+    mixed = dots(lambda x, y: product(x, y, "nn", bf16, None))
+    assert [d for d, _ in mixed] == [("bfloat16", "bfloat16"), (f32, f32), (f32, f32)], mixed
+    exact = dots(lambda x, y: product(x, y, "nn", None, precision=hi))
+    assert len(exact) == 3 and all(p == (hi, hi) for _, p in exact), exact
+    grams = dots(lambda x, y: gram(x, "nt", bf16, None) @ jnp.ones((7, 5)))
+    # the Gram matrix's forward on bf16 operands; its backward, and the float32 product after it, not
+    assert sorted(d for d, _ in grams) == [("bfloat16", "bfloat16")] + [(f32, f32)] * 3, grams
+    grad = lambda f: jax.grad(lambda x, y: jnp.sum(f(x, y) * probe), (0, 1))(x, y)
+    for a, b in zip(grad(lambda x, y: product(x, y, "nn", bf16, None)), grad(lambda x, y: x @ y)):
+        assert rel(a, b) < 2e-2
+    for a, b in zip(grad(lambda x, y: product(x, y, "nn", precision=hi)), grad(lambda x, y: product(x, y, "nn"))):
+        assert rel(a, b) < 1e-6
+
+
 @pytest.mark.parametrize("side", ["tn", "nt"])
 def test_gram_has_the_matmul_value_and_derivatives_with_one_product_per_cotangent(side):
     """`gram` (xᵀx or x xᵀ, backward x (g + gᵀ)): the plain product's value, gradient and second

@@ -321,9 +321,9 @@ def rows_gram(x, y):
     return product(x, y, "nt", jnp.promote_types(x.dtype, y.dtype))
 
 
-def outer_product(x, g, operands=None):
+def outer_product(x, g, operands=None, precision=None):
     """xᵀ g [d, h] for rows x [n, d] and g [n, h] (a chunk-end update), formed as it is stored."""
-    return product(x, g, "tn", operands)
+    return product(x, g, "tn", operands, precision=precision)
 
 
 def weight_product(x, w, operands=None):
@@ -420,11 +420,11 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
     params0, opt_state, acc0, _ = carry
     momentum0 = None if terms.momentum_rows is None else opt_state.momentum
 
-    def at_end(rows, carry_coefficient, start, start_factor):
+    def at_end(rows, carry_coefficient, start, start_factor, operands=operands, precision=None):
         """Σ_s rows[s] a_s δ_sᵀ + carry·m₀ + factor·start, one matmul per weight."""
         out = {}
         for key in params0:
-            value = outer_product(layer_inputs[key], rows[:, None] * cotangents[key], operands)
+            value = outer_product(layer_inputs[key], rows[:, None] * cotangents[key], operands, precision)
             if start is not None:
                 value = value + start_factor * start[key]
             if carry_coefficient is not None:
@@ -436,7 +436,19 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
     decay_end = terms.from_start[-1]
     new_momentum = None
     if terms.momentum_rows is not None:
-        new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None)
+        # Before Newton–Schulz (Muon) the update is an exact float32 product, forward and backward,
+        # whatever ``operands`` says. NS's derivative is up to a⁵ ≈ 480 on the momentum's
+        # near-null directions, so the cotangent it hands back is large exactly where the chunk's
+        # rows annihilate it; a rounded cotangent in that product leaks a fraction of it into the
+        # rows' cotangents, and the backward grows chunk after chunk. atlas (NS per chunk) B1 T16384
+        # H8 D128 bf16 q, k, v, β = 1e-3·sigmoid, max |dk| of the first 2048 tokens on an H200
+        # (float32 at HIGHEST: 0.74): bf16 operands 5.6e12 (non-finite at T65536), float32 at the
+        # default precision (TF32) 3.2 and still growing ×2 every 32 chunks, HIGHEST 0.39. What
+        # remains is the layer's own conditioning: float32 on bf16-rounded q, k, v moves dk as much.
+        # Costs atlas' layer 1.093× at B1 T4096 (benchmarks/results/atlas_backward_growth_h200_2026-11-29.md).
+        new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None,
+                              **({"operands": None, "precision": jax.lax.Precision.HIGHEST}
+                                 if opt_info.kind == "muon" else {}))
     if opt_info.kind == "muon":   # ns_every="chunk": the chunk's steps along NS of the chunk-end momentum
         with jax.named_scope(SCOPES["newton_schulz"]):
             direction = inner_opt.orthogonalize(new_momentum, opt_info, residual_name=CHUNK_RESIDUAL)
