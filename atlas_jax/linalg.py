@@ -45,6 +45,12 @@ def _dimension_numbers(layout, ndim):
 AS_FORWARD = "as_forward"   # `product`'s and `gram`'s default ``backward_operands``
 
 
+def _check_backward_operands(name, backward_operands):
+    if isinstance(backward_operands, str) and backward_operands != AS_FORWARD:
+        raise ValueError(f"{name}: argument `backward_operands` must be a dtype, None (the promoted dtype) or "
+                         f"{AS_FORWARD!r} (the forward's); got {backward_operands!r}.")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def product(x, y, layout: str, operands=None, backward_operands=AS_FORWARD, precision=None):
     """x·y over the last two axes in ``layout`` ("nn": x y, "nt": x yᵀ, "tn": xᵀ y; the leading axes,
@@ -66,6 +72,7 @@ def product(x, y, layout: str, operands=None, backward_operands=AS_FORWARD, prec
                          f"got shapes {tuple(x.shape)} and {tuple(y.shape)}.")
     if layout not in _LAYOUTS:
         raise ValueError(f"product: argument `layout` must be one of {tuple(_LAYOUTS)}; got {layout!r}.")
+    _check_backward_operands("product", backward_operands)
     dims = _dimension_numbers(layout, x.ndim)
     if operands is None:
         dtype = jnp.promote_types(x.dtype, y.dtype)
@@ -81,7 +88,7 @@ def _product_fwd(x, y, layout, operands, backward_operands, precision):
 def _product_bwd(layout, operands, backward_operands, precision, residuals, g):
     x, y = residuals
     named = {"x": x, "y": y, "g": g}
-    operands = operands if backward_operands == AS_FORWARD else backward_operands
+    operands = operands if isinstance(backward_operands, str) else backward_operands
     dx, dy = (product(named[left], named[right], inner, operands, AS_FORWARD, precision)
               for inner, left, right in _COTANGENTS[layout])
     return dx.astype(x.dtype), dy.astype(y.dtype)
@@ -106,6 +113,7 @@ def gram(x, side: str, operands=None, backward_operands=AS_FORWARD):
     if x.ndim < 2:
         raise ValueError(f"gram: argument `x` must be a matrix (with optional leading batch axes); got shape "
                          f"{tuple(x.shape)}.")
+    _check_backward_operands("gram", backward_operands)
     return product(x, x, side, operands)
 
 
@@ -114,7 +122,7 @@ def _gram_fwd(x, side, operands, backward_operands):
 
 
 def _gram_bwd(side, operands, backward_operands, x, g):
-    operands = operands if backward_operands == AS_FORWARD else backward_operands
+    operands = operands if isinstance(backward_operands, str) else backward_operands
     both = g + jnp.swapaxes(g, -1, -2)
     dx = product(x, both, "nn", operands) if side == "tn" else product(both, x, "nn", operands)
     return (dx.astype(x.dtype),)

@@ -124,6 +124,10 @@ def test_product_and_gram_take_the_backward_operands_and_precision_asked_for():
         assert rel(a, b) < 2e-2
     for a, b in zip(grad(lambda x, y: product(x, y, "nn", precision=hi)), grad(lambda x, y: product(x, y, "nn"))):
         assert rel(a, b) < 1e-6
+    with pytest.raises(ValueError, match="backward_operands"):
+        product(x, y, "nn", bf16, "float32_please")
+    with pytest.raises(ValueError, match="backward_operands"):
+        gram(x, "nt", bf16, "as_fwd")
 
 
 @pytest.mark.parametrize("side", ["tn", "nt"])

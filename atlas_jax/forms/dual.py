@@ -442,10 +442,11 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
         # rows annihilate it; a rounded cotangent in that product leaks a fraction of it into the
         # rows' cotangents, and the backward grows chunk after chunk. atlas (NS per chunk) B1 T16384
         # H8 D128 bf16 q, k, v, β = 1e-3·sigmoid, max |dk| of the first 2048 tokens on an H200
-        # (float32 at HIGHEST: 0.74): bf16 operands 5.6e12 (non-finite at T65536), float32 at the
-        # default precision (TF32) 3.2 and still growing ×2 every 32 chunks, HIGHEST 0.39. What
-        # remains is the layer's own conditioning: float32 on bf16-rounded q, k, v moves dk as much.
-        # Costs atlas' layer 1.093× at B1 T4096 (benchmarks/results/atlas_backward_growth_h200_2026-11-29.md).
+        # (float32 at HIGHEST: 0.74): bf16 operands 5.6e12 (non-finite at T65536); float32 at the
+        # default precision (TF32) 3.2, its error against HIGHEST doubling every 32 chunks; HIGHEST
+        # 0.39. What remains is the layer's own conditioning: float32 on bf16-rounded q, k, v moves
+        # dk as much. Costs atlas' layer 1.09× at B1 T4096
+        # (benchmarks/results/atlas_backward_growth_h200_2026-11-29.md).
         new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None,
                               **({"operands": None, "precision": jax.lax.Precision.HIGHEST}
                                  if opt_info.kind == "muon" else {}))
