@@ -20,6 +20,7 @@ Entries and inputs are `deep_memory.py`'s (β = 1e-3·sigmoid). Writes backward_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,8 +29,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+@contextlib.contextmanager
 def emulate_tf32():
-    """Round float32 operands of every dot_general without HIGHEST precision to TF32."""
+    """Inside: float32 operands of every dot_general without HIGHEST precision rounded to TF32."""
     import jax
     import jax.numpy as jnp
     from jax._src.lax import lax as lax_internal
@@ -48,7 +50,10 @@ def emulate_tf32():
                      preferred_element_type=preferred_element_type, **kwargs)
 
     lax_internal.dot_general = jax.lax.dot_general = dot_general
-    return lambda: setattr(lax_internal, "dot_general", plain) or setattr(jax.lax, "dot_general", plain)
+    try:
+        yield
+    finally:
+        lax_internal.dot_general = jax.lax.dot_general = plain
 
 
 def main(argv=None):
@@ -83,10 +88,9 @@ def main(argv=None):
         return np.asarray(grads[1], np.float32)   # [B, T, H, D]
 
     t = time.perf_counter()
-    restore = emulate_tf32() if a.emulate_tf32 else (lambda: None)
-    measured = dk(a.dtype, a.impl)
-    restore()
-    jax.clear_caches()
+    with emulate_tf32() if a.emulate_tf32 else contextlib.nullcontext():
+        measured = dk(a.dtype, a.impl)
+    jax.clear_caches()   # the reference traces the products afresh, without the emulation
     with jax.default_matmul_precision("highest"):
         reference = dk("float32", "chunk")
     by_block = lambda x: np.moveaxis(x, 1, 0).reshape(T // block, -1)

@@ -447,9 +447,10 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
         # 0.39. What remains is the layer's own conditioning: float32 on bf16-rounded q, k, v moves
         # dk as much. Costs atlas' layer 1.09× at B1 T4096
         # (benchmarks/results/atlas_backward_growth_h200_2026-11-29.md).
+        exact = opt_info.kind == "muon"
         new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None,
-                              **({"operands": None, "precision": jax.lax.Precision.HIGHEST}
-                                 if opt_info.kind == "muon" else {}))
+                              operands=None if exact else operands,
+                              precision=jax.lax.Precision.HIGHEST if exact else None)
     if opt_info.kind == "muon":   # ns_every="chunk": the chunk's steps along NS of the chunk-end momentum
         with jax.named_scope(SCOPES["newton_schulz"]):
             direction = inner_opt.orthogonalize(new_momentum, opt_info, residual_name=CHUNK_RESIDUAL)
