@@ -4,6 +4,7 @@ evaluation at HIGHEST precision on the same inputs (q, k, v rounded to bf16 for 
 
     python benchmarks/backward_growth.py --entry atlas --shape 1,16384,8,128          # GPU: impl auto
     python benchmarks/backward_growth.py --entry atlas_token --shape 1,16384,1,32 --emulate-tf32   # CPU
+    python benchmarks/backward_growth.py --root build/other --reference $OUT/ref.npy   # a second tree, one reference
 
 Why: Newton–Schulz's derivative is up to a⁵ ≈ 480 on the momentum's near-null directions, so a
 rounded cotangent where a product annihilates that part leaks, and the backward can grow chunk
@@ -65,15 +66,20 @@ def main(argv=None):
     parser.add_argument("--impl", default="auto", choices=["auto", "chunk", "pallas"])
     parser.add_argument("--block", type=int, default=None, help="tokens a block (default T/8)")
     parser.add_argument("--emulate-tf32", action="store_true")
+    parser.add_argument("--root", default=None, help="checkout to import atlas_jax from (default: this one)")
+    parser.add_argument("--reference", default=None, metavar="FILE.npy",
+                        help="the float32 HIGHEST dk: loaded if the file exists, else computed and saved there "
+                             "(one reference for several trees' runs on the same entry and shape)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args(argv)
     import deep_memory as dm
-    from timing import shape_arg
+    from timing import import_tree, shape_arg
     B, T, H, D = shape_arg(a.shape)
     block = a.block or T // 8
     if T % block:
         parser.error(f"--block {block} must divide T = {T}")
 
+    import_tree(a.root) if a.root else import_tree()
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -90,9 +96,16 @@ def main(argv=None):
     t = time.perf_counter()
     with emulate_tf32() if a.emulate_tf32 else contextlib.nullcontext():
         measured = dk(a.dtype, a.impl)
-    jax.clear_caches()   # the reference traces the products afresh, without the emulation
-    with jax.default_matmul_precision("highest"):
-        reference = dk("float32", "chunk")
+    if a.reference and os.path.exists(a.reference):
+        reference = np.load(a.reference)
+        if reference.shape != measured.shape:
+            parser.error(f"--reference {a.reference} holds dk of shape {reference.shape}, not {measured.shape}")
+    else:
+        jax.clear_caches()   # the reference traces the products afresh, without the emulation
+        with jax.default_matmul_precision("highest"):
+            reference = dk("float32", "chunk")
+        if a.reference:
+            np.save(a.reference, reference)
     by_block = lambda x: np.moveaxis(x, 1, 0).reshape(T // block, -1)
     norms = np.linalg.norm(by_block(reference), axis=1)
     row = {"entry": a.entry, "shape": [B, T, H, D], "chunk": a.chunk, "dtype": a.dtype, "impl": a.impl,

@@ -123,6 +123,9 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # layer there in 29 s at 8 against 15 at 4, and its memory grows 2.84 -> 2.95 GiB
 # (benchmarks/results/dual_chain_h200_2026-11-28.md).
 SUPER_CHUNK = 8
+# The precision of Muon's chunk-end momentum product, forward and backward (`chunk_end`, which says
+# why it must not be rounded like the other products).
+MUON_CHUNK_END_PRECISION = jax.lax.Precision.HIGHEST
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
 # The fused per-chunk scan's parts likewise (Newton–Schulz first: it is inside the chunk end).
@@ -450,7 +453,7 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
         exact = opt_info.kind == "muon"
         new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None,
                               operands=None if exact else operands,
-                              precision=jax.lax.Precision.HIGHEST if exact else None)
+                              precision=MUON_CHUNK_END_PRECISION if exact else None)
     if opt_info.kind == "muon":   # ns_every="chunk": the chunk's steps along NS of the chunk-end momentum
         with jax.named_scope(SCOPES["newton_schulz"]):
             direction = inner_opt.orthogonalize(new_momentum, opt_info, residual_name=CHUNK_RESIDUAL)
