@@ -12,7 +12,7 @@ after chunk while the forward stays fine (benchmarks/results/atlas_backward_grow
 An error that grows toward the start but saturates below ~1 is the layer's own conditioning (float32
 on bf16-rounded inputs moves early gradients as much); max |dk| far above the reference's is a leak.
 
-``--emulate-tf32``: every float32 matmul not asked for at HIGHEST rounds its operands (forward and
+``--emulate-tf32``: every float32 matmul not asked for at HIGHEST (or a multi-pass algorithm) rounds its operands (forward and
 the backward's transposes) to TF32's 10 mantissa bits, straight through for derivatives: a GPU's
 default float32 product, on the CPU. It patches jax's internal `lax.dot_general`, for this tool only.
 Entries and inputs are `deep_memory.py`'s (β = 1e-3·sigmoid). Writes backward_growth.json to --out.
@@ -45,7 +45,9 @@ def emulate_tf32():
         return x + jax.lax.stop_gradient(jax.lax.bitcast_convert_type(bits, jnp.float32) - x)
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-        if "HIGHEST" not in str(precision):
+        # HIGHEST and the multi-pass algorithms (DotAlgorithmPreset, e.g. BF16_BF16_F32_X3) keep
+        # float32 accuracy, or near it (three bf16 passes: ~2⁻¹⁶ relative, 2⁵ finer than TF32): not rounded
+        if "HIGHEST" not in str(precision) and not isinstance(precision, jax.lax.DotAlgorithmPreset):
             lhs, rhs = (rounded(x) if x.dtype == jnp.float32 else x for x in (lhs, rhs))
         return plain(lhs, rhs, dimension_numbers, precision=precision,
                      preferred_element_type=preferred_element_type, **kwargs)

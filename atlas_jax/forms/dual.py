@@ -124,8 +124,13 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # (benchmarks/results/dual_chain_h200_2026-11-28.md).
 SUPER_CHUNK = 8
 # The precision of Muon's chunk-end momentum product, forward and backward (`chunk_end`, which says
-# why it must not be rounded like the other products).
-MUON_CHUNK_END_PRECISION = jax.lax.Precision.HIGHEST
+# why it must not be rounded like the other products): three bf16 tensor-core passes (each operand
+# split into a bf16 head and tail, float32 accumulation; float32 on a CPU). atlas B1 T16384 H8
+# D128 bf16 q, k, v on an H200, max |dk| of the first 2048 tokens (float32 at HIGHEST: 0.81): this
+# 0.44, HIGHEST 0.49, TF32×3 0.52, bf16×6 0.46; one command at B1 T4096, forward+backward: HIGHEST
+# 666.2 ms, this 630.6 (×0.947), TF32×3 658.4, bf16×6 659.4
+# (benchmarks/results/atlas_chunk_end_algorithms_h200_2026-11-30.md).
+MUON_CHUNK_END_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 # jax.named_scope names of the kernel route's three parts: a profile of a call attributes its
 # kernels to them (benchmarks/deep_memory.py --trace).
 # The fused per-chunk scan's parts likewise (Newton–Schulz first: it is inside the chunk end).
@@ -448,8 +453,8 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
         # (float32 at HIGHEST: 0.74): bf16 operands 5.6e12 (non-finite at T65536); float32 at the
         # default precision (TF32) 3.2, its error against HIGHEST doubling every 32 chunks; HIGHEST
         # 0.39. What remains is the layer's own conditioning: float32 on bf16-rounded q, k, v moves
-        # dk as much. Costs atlas' layer 1.09× at B1 T4096
-        # (benchmarks/results/atlas_backward_growth_h200_2026-11-29.md).
+        # dk as much (benchmarks/results/atlas_backward_growth_h200_2026-11-29.md). Three bf16
+        # passes do as well as HIGHEST, at less cost (MUON_CHUNK_END_PRECISION).
         exact = opt_info.kind == "muon"
         new_momentum = at_end(terms.momentum_rows, terms.momentum_carry, None, None,
                               operands=None if exact else operands,
