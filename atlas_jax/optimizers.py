@@ -322,6 +322,55 @@ def _newton_schulz_gram(x, steps, coefficients, mm, gram_of, apply_left, short):
     return x if right is None else times_x(right, x)
 
 
+class NewtonSchulzFactor(NamedTuple):
+    """NS_J(m) = scale·m + m·right for a matrix m known only through its Gram matrix mᵀm
+    (`newton_schulz_factor`): ``scale`` [] and ``right`` [n, n] float32."""
+    scale: jax.Array
+    right: jax.Array
+
+
+def newton_schulz_factor(gram: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS,
+                         eps: float = 1e-7, precision=jax.lax.Precision.HIGHEST) -> NewtonSchulzFactor:
+    """`newton_schulz` of a matrix m [k, n] from its Gram matrix mᵀm [n, n] alone: every iterate is
+    X_{j+1} = X_j P_j with P_j = aI + bA_j + cA_j² (A_j = X_jᵀX_j; the same as (aI + bXXᵀ + c(XXᵀ)²) X),
+    so NS_J(m) = m R/(‖m‖ + eps) with R = P_0 ⋯ P_{J−1} [n, n], whichever side of m is longer. For
+    the dual form, which knows a momentum as a low-rank update of a materialised one and carries
+    its Gram matrix, never m itself (`forms.dual`'s Muon super-chunks).
+
+    The chain carries A_{j+1} = P_j A_j P_j and R, every product float32-accurate (``precision``:
+    HIGHEST, or a multi-pass algorithm such as `DotAlgorithmPreset.BF16_BF16_F32_X3`, which the dual
+    form passes), whatever the momentum's NS operand dtype: unlike the direct iteration,
+    which forms every Gram matrix again from its iterate, the chain never sees m again, so a rounding
+    error in A_j on a null or small singular direction (a momentum of decayed gradients has many) is
+    amplified by P ≈ a there every step, and R's eigenvalues run from ~1 (the large singular
+    directions) to a^J ≈ 480 (the small ones, which m removes again): on TF32 operands the chain was
+    0.23 off `newton_schulz` for a momentum of 300 rank-one terms decayed by 0.9 (512 × 64; the
+    direct iteration on TF32 operands: 1e-3), on bf16 ones it diverged. R must be applied at such a
+    precision too. Returned as scale·m + m·right, scale = α/(‖m‖ + eps), α = tr(R)/n. Singular
+    values below ~√ε of the largest are resolved no better than A₀ resolves them (float32: within
+    ~1e-5 of `newton_schulz` on a square Gaussian m, tested). A zero m gives a zero factor (and
+    finite gradients)."""
+    a, b, c = coefficients
+    mm = lambda u, v: jnp.matmul(u, v, precision=precision)
+    gram = gram.astype(jnp.float32)
+    short = gram.shape[-1]
+    eye = jnp.eye(short, dtype=jnp.float32)
+    sq = jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None]
+    norm = jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)
+    inverse = jnp.where(sq > 0, 1.0 / (norm + eps), 0.0)
+    gram = gram * jnp.square(inverse)
+    total = None                       # R = P_0 ⋯ P_j (the P_j commute)
+    for k in range(steps):
+        poly = a * eye + b * gram + c * mm(gram, gram)
+        total = poly if total is None else mm(total, poly)
+        if k + 1 < steps:
+            gram = mm(mm(poly, gram), poly)
+    if total is None:
+        return NewtonSchulzFactor(inverse[..., 0, 0], jnp.zeros_like(gram))
+    alpha = jnp.trace(total, axis1=-2, axis2=-1)[..., None, None] / short
+    return NewtonSchulzFactor((alpha * inverse)[..., 0, 0], (total - alpha * eye) * inverse)
+
+
 def orthogonalize_tree(tree, steps, coefficients, eps, operand_dtype: str = "float32", matrix_ndim: int = 2,
                        method: str = "auto", residual_name: str | None = None):
     """Newton–Schulz on every matrix leaf (``matrix_ndim`` 3: a leading batch of matrices);

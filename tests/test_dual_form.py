@@ -142,7 +142,10 @@ SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="om
                pytest.param("omeganet", 2, 13, 3, marks=pytest.mark.slow, id="omeganet-C2-T13-S3"),
                pytest.param("omeganet", 4, 19, 3, id="omeganet-C4-T19-S3"),
                pytest.param("ttt_mlp_implicit", 4, 29, 2, id="ttt_mlp_implicit-C4-T29-S2"),
-               pytest.param("dla", 4, 21, 2, marks=pytest.mark.slow, id="dla-C4-T21-S2")]
+               pytest.param("dla", 4, 21, 2, marks=pytest.mark.slow, id="dla-C4-T21-S2"),
+               pytest.param("atlas", 4, 19, 3, id="atlas-C4-T19-S3"),
+               pytest.param("atlas", 8, 37, 3, marks=pytest.mark.slow, id="atlas-C8-T37-S3"),
+               pytest.param("atlas", 2, 13, 3, marks=pytest.mark.slow, id="atlas-C2-T13-S3")]
 
 
 @pytest.mark.parametrize("name,chunk,T,per_super", SUPER_CASES)
@@ -164,6 +167,9 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     chains = []
     chain = dual._chain
     monkeypatch.setattr(dual, "_chain", lambda *a, **kw: chains.append(1) or chain(*a, **kw))
+    muon_calls = []
+    muon = dual._muon_super_chunk
+    monkeypatch.setattr(dual, "_muon_super_chunk", lambda *a, **kw: muon_calls.append(1) or muon(*a, **kw))
     whole_grams = []
     chain_grams = dual._chain_grams
     monkeypatch.setattr(dual, "_chain_grams", lambda *a, **kw: whole_grams.append(1) or chain_grams(*a, **kw))
@@ -172,20 +178,23 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     monkeypatch.setattr(dual, "SUPER_CHUNK", per_super)
     _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
     assert calls, "the super-chunk path did not run"
-    assert chains, "the super-chunk chain (a depth-2 MLP) did not run"
+    if name == "atlas":
+        assert muon_calls, "Muon's super-chunks did not run"
+    else:
+        assert chains, "the super-chunk chain (a depth-2 MLP) did not run"
     if name == "omeganet":   # chunks as long as the window's c − 1 rows or longer: the Grams in one piece
         assert bool(whole_grams) == (chunk >= 3), "the super-chunk's Gram matrices took the other path"
 
 
 def test_super_chunks_only_where_the_chunk_end_is_linear():
     """Which presets the grouped scan runs in super-chunks: GD and implicit GD with gradients at θ₀
-    (omeganet, dla, ttt_mlp); not momentum's or Muon's chunk end (titans, atlas: Newton–Schulz is
-    not linear), a retention map (moneta), forget-first decay (gradients at P_t θ₀) or packed
-    documents (a restart inside a super-chunk)."""
+    (omeganet, dla, ttt_mlp) and Muon with NS per chunk (atlas: `dual._muon_super_chunk`); not
+    momentum's chunk end (titans), a retention map (moneta), forget-first decay (gradients at P_t θ₀)
+    or packed documents (a restart inside a super-chunk)."""
     from atlas_jax import optimizers as inner_opt
     n_super = dual.SUPER_CHUNK
     expect = {"omeganet": n_super, "dla": n_super, "ttt_mlp": n_super, "ttt_mlp_implicit": n_super, "titans": 1,
-              "atlas": 1, "moneta": 1, "omeganet_forget_first": 1}
+              "atlas": n_super, "moneta": 1, "omeganet_forget_first": 1}
     for name, n in expect.items():
         spec = _spec(name)
         steps = _one_sequence_steps(spec, 4, 4, 16)

@@ -23,7 +23,9 @@ backward pass is JAX's autodiff with rematerialisation of each chunk and, for a 
 group of chunks, so what it keeps is O(T·d) activations plus one state per group of chunks
 (``BOUNDARY_BYTES_PER_TOKEN``). Where θ's chunk end is linear in the gradients (GD), the grouped
 scan forms θ once per ``SUPER_CHUNK`` chunks: a later chunk's gradients are taken at the earlier
-chunks' θ₀ plus their low-rank updates, by the same products as a read (`_super_chunk`).
+chunks' θ₀ plus their low-rank updates, by the same products as a read (`_super_chunk`). Muon
+(Newton–Schulz per chunk) runs in super-chunks too: NS of the momentum is taken from its Gram
+matrix, carried through the sub-chunks' low-rank updates (`_muon_super_chunk`).
 
 Feature maps: the form takes the raw k and scale·q (``features``, from MemorySpec) and forms φ
 chunk by chunk, inside the rematerialised chunk: φ(x) [b, d_φ] only where it meets θ₀ (x W₀, the
@@ -38,7 +40,8 @@ Precision: θ, the momentum, φ, the coefficients and every sum are float32; wit
 (``low_precision``) the products with θ take bf16 operands with float32 accumulation, forward and
 backward (`operand_dtype`, `linalg.product`), as the deep-memory kernels' dots do, and φ's rows
 (which meet only such products and float32-result Gram matrices) are rounded to bf16 once, where
-they are formed (`_OperandFeatures`).
+they are formed (`_OperandFeatures`). Muon's momentum and what meets Newton–Schulz's factor are
+float32-accurate products whatever the operands (`MUON_CHUNK_END_PRECISION`, `MUON_CHAIN_PRECISION`).
 
 Covered: memories with ``apply_linear`` whose θ is exactly those weights (LinearMemory, MLPMemory,
 GatedMLPMemory); GD, implicit GD, momentum (both conventions) and Muon with ``ns_every="chunk"``;
@@ -49,6 +52,7 @@ channel decay, per-token Newton–Schulz, other optax transforms, least squares,
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -60,6 +64,7 @@ from jax.ad_checkpoint import checkpoint_name
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.features import pad_features
 from atlas_jax.linalg import product
+from atlas_jax.linalg import product as linalg_product
 from atlas_jax.forms.common import (
     MemoryState,
     Steps,
@@ -384,7 +389,10 @@ def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms, ex
     outs = [{} for _ in range(1 + len(more))]
     weights = {key: params0[key] for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1])}
     for key, w in {**weights, **(extra or {})}.items():
-        product = weight_product(both, w, operands)
+        if key.startswith(MOMENTUM_OF):   # (its products meet R: `_muon_super_chunk`)
+            product = linalg_product(both, w, "nn", None, precision=MUON_CHAIN_PRECISION)
+        else:
+            product = weight_product(both, w, operands)
         parts = [product[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
         for out, src, queries in zip(outs, parts[:len(chunks)], parts[len(chunks):]):
             out[key] = (src, queries)
@@ -472,13 +480,17 @@ def chunk_end(spec, opt_info, carry: MemoryState, terms: ChunkTerms, layer_input
 
 
 def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_inputs, cotangents,
-               first_products=None, product=None, operands=None):
+               first_products=None, product=None, operands=None, momentum_product=None, end_product=None):
     """o_t = M_{θ_t}(φ(q_t)) for the chunk's steps without forming θ_t (the module docstring's
     layer-by-layer product); steps that read the chunk-end state (``reads_end``) read ``params_end``.
     ``first_products``: `first_layer_products` (the queries' part is used here). ``product``: as
-    `source_pass`'s (without momentum). ``operands``: `operand_dtype`'s."""
+    `source_pass`'s (without momentum); ``momentum_product`` and ``end_product`` likewise (key, h) ↦
+    h m₀[key] and h θ_end[key] where ``momentum0`` / ``params_end`` are not formed (`_muon_super_chunk`).
+    ``operands``: `operand_dtype`'s."""
     queries = terms.queries
     product = product or (lambda key, h: weight_product(h, params0[key], operands))
+    momentum_product = momentum_product or (lambda key, h: weight_product(h, momentum0[key], operands))
+    end_product = end_product or (lambda key, h: weight_product(h, params_end[key], operands))
 
     def read(key, h):
         if first_products is not None and key in first_products and h is queries:
@@ -486,7 +498,7 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
         else:
             y = terms.from_start[:, None] * product(key, h)
         if terms.state_carry is not None:
-            y = y + terms.state_carry[:, None] * weight_product(h, momentum0[key], operands)
+            y = y + terms.state_carry[:, None] * momentum_product(key, h)
         # A layer that takes the memory's input itself (the first layer, a skip map) meets φ(k).
         first = terms.first_gram is not None and h is queries
         gram = terms.first_gram if first else rows_gram(h, layer_inputs[key])
@@ -494,7 +506,7 @@ def chunk_read(spec, params0, momentum0, params_end, terms: ChunkTerms, layer_in
 
     outputs = spec.memory.apply_linear(queries, read)
     if spec.retention.has_map or inner_opt.info(spec.optimizer).kind == "muon":
-        at_end = spec.memory.apply_linear(queries, lambda key, h: weight_product(h, params_end[key], operands))
+        at_end = spec.memory.apply_linear(queries, end_product)
         outputs = jnp.where((terms.reads_end > 0)[:, None], at_end, outputs)
     return outputs
 
@@ -643,38 +655,12 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     depth-2 MLP the super-chunk chain, `_chain`): what
     `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
     where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀, no
-    restarts: `_super_chunks`)."""
-    n_sub, b = xs.active.shape[:2]
-    win = carry.window
-    n_window = 0 if win is None else win.inputs.shape[0]
-    # The raw k of a sub-chunk's sources, for φ's kernel: its window rows are the last ones before
-    # it, so all but the entering window cache's (φ alone) are in the sub-chunks' raw k. (After a
-    # chunk of padding the window cache stays and these rows do not; only chunks of padding follow
-    # it, whose outputs and updates are dropped.)
-    raw_keys = None if features is None else xs.inputs.reshape((n_sub * b,) + xs.inputs.shape[2:])
-    raw_sources = [None if raw_keys is None else raw_keys[max(0, k * b - n_window):(k + 1) * b]
-                   for k in range(n_sub)]
+    restarts: `_super_chunks`); Muon's chunk end through `_muon_super_chunk`."""
+    if opt_info.kind == "muon":
+        return _muon_super_chunk(spec, opt_info, features, carry, xs, padding_chunks, operands)
     chain = _chain_covers(spec, carry.params)
-    n = b + n_window
-    joined = None
-    terms = []
-    with jax.named_scope(SCOPES["chunk_terms"]):
-        if chain and b >= n_window:   # (shorter chunks' windows reach into the entering cache)
-            joined = _super_chunk_rows(features, xs, carry.window, n_sub, b, n_window)
-        for k in range(n_sub):
-            xc = jax.tree.map(lambda x: x[k], xs)
-            raw_window = None if raw_keys is None or not n_window or k * b < n_window else raw_keys[k * b - n_window:k * b]
-            rows = None if joined is None else (joined[k * n:(k + 1) * n], joined[n_sub * n + k * b:n_sub * n + (k + 1) * b])
-            t = chunk_terms(spec, opt_info, features, xc, win, raw_window, rows)
-            next_window = t.next_window
-            if padding_chunks:   # a chunk of padding leaves θ and the window cache alone
-                real = jnp.any(xc.active > 0)
-                t = t._replace(from_start=jnp.where(real, t.from_start, 1.0),
-                               state_rows=jnp.where(real, t.state_rows, 0.0))
-                if win is not None:
-                    next_window = jax.tree.map(lambda new, old: jnp.where(real, new, old), next_window, win)
-            terms.append(t)
-            win = next_window
+    parts = _super_chunk_terms(spec, opt_info, features, carry, xs, padding_chunks, joined_rows=chain)
+    terms, win, joined, raw_keys, raw_sources = parts
     with jax.named_scope(SCOPES["chunk_source"]):
         # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight,
         # and, for φ's kernel, times the entering window cache's φ (whose raw k are gone)
@@ -702,6 +688,231 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     with jax.named_scope(SCOPES["chunk_end"]):
         params_end = start.materialise()
     return carry._replace(params=params_end, window=win), jnp.concatenate(outputs)
+
+
+def _super_chunk_terms(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks, joined_rows):
+    """A super-chunk's θ-free part: (every sub-chunk's `ChunkTerms`, the window cache after it, the
+    joined φ rows of `_super_chunk_rows` where ``joined_rows`` and the chunks are at least c − 1
+    long (else None), the raw keys [S·b, d] and every sub-chunk's sources' raw keys, for φ's
+    kernel (None without a feature map))."""
+    n_sub, b = xs.active.shape[:2]
+    win = carry.window
+    n_window = 0 if win is None else win.inputs.shape[0]
+    # The raw k of a sub-chunk's sources, for φ's kernel: its window rows are the last ones before
+    # it, so all but the entering window cache's (φ alone) are in the sub-chunks' raw k. (After a
+    # chunk of padding the window cache stays and these rows do not; only chunks of padding follow
+    # it, whose outputs and updates are dropped.)
+    raw_keys = None if features is None else xs.inputs.reshape((n_sub * b,) + xs.inputs.shape[2:])
+    raw_sources = [None if raw_keys is None else raw_keys[max(0, k * b - n_window):(k + 1) * b]
+                   for k in range(n_sub)]
+    n = b + n_window
+    joined = None
+    terms = []
+    with jax.named_scope(SCOPES["chunk_terms"]):
+        if joined_rows and b >= n_window:   # (shorter chunks' windows reach into the entering cache)
+            joined = _super_chunk_rows(features, xs, carry.window, n_sub, b, n_window)
+        for k in range(n_sub):
+            xc = jax.tree.map(lambda x: x[k], xs)
+            raw_window = None if raw_keys is None or not n_window or k * b < n_window else raw_keys[k * b - n_window:k * b]
+            rows = None if joined is None else (joined[k * n:(k + 1) * n], joined[n_sub * n + k * b:n_sub * n + (k + 1) * b])
+            t = chunk_terms(spec, opt_info, features, xc, win, raw_window, rows)
+            next_window = t.next_window
+            if padding_chunks:   # a chunk of padding leaves θ and the window cache alone
+                real = jnp.any(xc.active > 0)
+                t = t._replace(from_start=jnp.where(real, t.from_start, 1.0),
+                               state_rows=jnp.where(real, t.state_rows, 0.0))
+                if t.momentum_rows is not None:   # (Muon) nor the momentum
+                    t = t._replace(momentum_rows=jnp.where(real, t.momentum_rows, 0.0),
+                                   momentum_carry=jnp.where(real, t.momentum_carry, 1.0),
+                                   total_step=jnp.where(real, t.total_step, 0.0))
+                if win is not None:
+                    next_window = jax.tree.map(lambda new, old: jnp.where(real, new, old), next_window, win)
+            terms.append(t)
+            win = next_window
+    return terms, win, joined, raw_keys, raw_sources
+
+
+# Products of `_muon_super_chunk` that meet Newton–Schulz's factor R (eigenvalues up to a^J ≈ 480
+# on the momentum's small directions, which its pieces cancel) or form it: float32-accurate, on
+# three bf16 tensor-core passes (MUON_CHUNK_END_PRECISION's algorithm). On TF32 operands R was 0.23
+# off `newton_schulz` (a [512, 64] momentum of 300 decayed rank-one terms), on bf16 ones the route
+# diverged; at HIGHEST (off the tensor cores) it took 0.96× the per-chunk route's time, with these
+# 0.867×, and atlas' dk stayed bounded at B1 T16384 H8 D128 on an H200 like the per-chunk route's
+# (benchmarks/results/atlas_muon_super_chunks_h200_2026-11-30.md).
+MUON_CHAIN_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+_exact = functools.partial(jnp.matmul, precision=MUON_CHAIN_PRECISION)
+# How many of `_muon_super_chunk`'s sub-chunks one step of its scan runs. atlas B1 T4096 H8 D128
+# bf16 fwd+bwd on an H200: all S = SUPER_CHUNK (a Python loop) took 0.729× the per-chunk route's
+# time but 208 s to compile (the per-chunk route: 43 s, same command); 1 took 0.867× (72 s); against
+# 1 in one command, 2 took 0.956× and 4 0.945×. XLA on the CPU compiles it in 29 / 34 / 50 / 67 s
+# (1 / 2 / 4 / 8; the per-chunk route 8 s) to 6.97 / 7.29 / 8.05 / 7.32 GiB (9.82).
+MUON_SUB_CHUNK_UNROLL = 2
+MOMENTUM_OF = "_momentum_"   # `_muon_super_chunk`'s extra products with m_B in `first_layer_products`
+
+
+def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None):
+    """`_super_chunk` for Muon with Newton–Schulz at chunk ends (``ns_every="chunk"``): θ and the
+    momentum formed once a super-chunk, although the chunk end NS_J(m) is not linear in m.
+
+    The weights that take the memory's input (the first layer and a skip map: d_φ rows) are never
+    formed inside the super-chunk. After sub-chunk j their momentum is m_B's decay plus the
+    sub-chunks' rank-n updates, m = μ m_B + Uᵀ V (U the sources' φ rows, V their ν-weighted output
+    cotangents), and NS_J(m) = m (s I + F), with s and F [h, h] from the Gram matrix mᵀm alone
+    (`optimizers.newton_schulz_factor`), which the super-chunk carries as
+        A ← ν² A + ν (Pᵀ W + Wᵀ P) + Wᵀ (U_j U_jᵀ) W      (P = U_j m: the sources' momentum products,
+                                                           W the sub-chunk's new rows of V).
+    So θ = p θ_B + m_B (c I + C) + Uᵀ Ṽ keeps one form (p, c scalars, C [h, h], Ṽ [N, h]); every
+    product with θ or m is a product with θ_B and m_B (formed for the whole super-chunk's rows at
+    once, `first_layer_products`) plus Gram matrices of φ rows through φ's kernel (d wide); and the
+    θ-sized work — m_B's Gram matrix, θ and m at the end — is done once a super-chunk, where
+    `_one_chunk` forms m, its Gram matrix, the iterate at NS's restart and NS's result every chunk.
+    The other weights (those after the first layer: h wide) are formed chunk by chunk as
+    `chunk_end` forms them. Equal to `_one_chunk` chunk after chunk up to rounding, and to the
+    rounding of NS's restart: `_one_chunk` takes it from the formed iterate's Gram matrix, this from
+    A's (`newton_schulz_factor`; float32 ≤ 1e-4 relative, tested). The wide weights' NS is always
+    the Gram route on float32-accurate products (`MUON_CHAIN_PRECISION`): ``ns_dtype`` and
+    ``ns_method`` apply to the other weights only."""
+    terms, win, joined, raw_keys, raw_sources = _super_chunk_terms(spec, opt_info, features, carry, xs,
+                                                                   padding_chunks, joined_rows=True)
+    params_b, momentum_b = carry.params, carry.opt_state.momentum
+    n_sub, n, b = len(terms), terms[0].src_inputs.shape[0], terms[0].queries.shape[0]
+    n_window = n - b
+    wide = sorted(first_layer_keys(spec.memory, params_b, terms[0].src_inputs.shape[-1]))
+    kernel = features if features is not None and features.has_kernel else None
+    ns = dict(steps=opt_info.ns_steps, coefficients=opt_info.ns_coefficients, eps=opt_info.ns_eps)
+    with jax.named_scope(SCOPES["chunk_source"]):
+        # every sub-chunk's sources and queries times θ_B's and m_B's wide weights, one matmul each
+        extra = {MOMENTUM_OF + key: momentum_b[key] for key in wide}
+        if kernel is not None and carry.window is not None:
+            extra[CACHED_WINDOW] = carry.window.inputs.T
+        base = _kept(first_layer_products(spec, params_b, *terms, extra=extra, operands=operands, rows=joined))
+        cached = [products.pop(CACHED_WINDOW, (None, None)) for products in base]
+        raw_queries = None if features is None else xs.queries.reshape((n_sub * b,) + xs.queries.shape[2:])
+        if (kernel is not None and b >= n_window and (n_window == 0 or all(c[0] is not None for c in cached))):
+            gram_src, gram_q = _chain_grams(kernel, raw_keys, raw_queries, cached, n_sub, b, n_window)
+            if n_window:   # chunk 0's own Gram matrix, whose rows of the entering window cache `_chain` never reads
+                gram_src = gram_src.at[0, :n_window, 0, :].set(cached[0][0].T.astype(jnp.float32))
+        else:
+            gram_src, gram_q = _grams_by_chunk(kernel, terms, raw_sources, None if features is None else xs.queries,
+                                               cached)
+        gram_src, gram_q = _kept(gram_src), _kept(gram_q)
+        gram = {key: _kept(_exact(momentum_b[key].T, momentum_b[key])) for key in wide}   # A = mᵀm
+
+    S, N = n_sub, n_sub * n
+    hidden = {key: params_b[key].shape[-1] for key in wide}
+    narrow = [key for key in params_b if key not in wide]
+    zero = jnp.zeros((), jnp.float32)
+    # The sub-chunks run as one lax.scan (XLA compiles one body, not S of them: unrolled, atlas' layer
+    # took 208 s to compile on an H200 against 43 s for the per-chunk route). What grows from
+    # sub-chunk to sub-chunk (the rows V, Ṽ) is kept in buffers of the super-chunk's N rows, zero
+    # where no sub-chunk wrote yet, so the products with them need no slices.
+    init = dict(decay_b=jnp.float32(1.0), mu=jnp.float32(1.0),                 # p, μ
+                coef={key: zero for key in wide},                              # c
+                mix={key: jnp.zeros((hidden[key],) * 2, jnp.float32) for key in wide},        # C
+                gram=gram,                                                     # A = mᵀm
+                rows_m={key: jnp.zeros((N, hidden[key]), jnp.float32) for key in wide},       # V
+                rows_t={key: jnp.zeros((N, hidden[key]), jnp.float32) for key in wide},       # Ṽ
+                theta={key: params_b[key] for key in narrow}, momentum={key: momentum_b[key] for key in narrow})
+    stacked_terms = jax.tree.map(lambda *x: jnp.stack(x), *[t._replace(next_window=None) for t in terms])
+    stacked_base = jax.tree.map(lambda *x: jnp.stack(x), *base)
+
+    def theta_of(c, key, x_theta, x_m, grams):
+        """x θ[key] from x θ_B, x m_B and x Uᵀ."""
+        return (c["decay_b"] * x_theta + c["coef"][key] * x_m + _exact(x_m, c["mix"][key])
+                + _exact(grams, c["rows_t"][key]))
+
+    def momentum_of(c, key, x_m, grams):
+        return c["mu"] * x_m + _exact(grams, c["rows_m"][key])
+
+    def sub_chunk(c, xs):
+        t, products, g_src, g_q, j = xs
+        before = jnp.arange(S)[None, :, None] < j
+        earlier_src = jnp.where(before, g_src, 0.0).reshape(n, N)
+        earlier_q = jnp.where(before, g_q, 0.0).reshape(b, N)
+        with jax.named_scope(SCOPES["chunk_source"]):
+            first, mom_q, mom_src = {}, {}, {}
+            for key in wide:
+                (src_theta, q_theta), (src_m, q_m) = products[key], products[MOMENTUM_OF + key]
+                first[key] = (theta_of(c, key, src_theta, src_m, earlier_src),
+                              theta_of(c, key, q_theta, q_m, earlier_q))
+                mom_src[key], mom_q[key] = momentum_of(c, key, src_m, earlier_src), momentum_of(c, key, q_m, earlier_q)
+            old_theta, old_m = c["theta"], c["momentum"]
+            first, layer_inputs, cotangents = _kept_sources(
+                spec, params_b, t, first, product=lambda key, h: weight_product(h, old_theta[key], operands))
+        with jax.named_scope(SCOPES["chunk_end"]):
+            nu, step, decay = t.momentum_carry, t.total_step, t.from_start[-1]
+            new_m = {key: outer_product(layer_inputs[key], t.momentum_rows[:, None] * cotangents[key], None,
+                                        MUON_CHUNK_END_PRECISION) + nu * old_m[key] for key in narrow}
+            with jax.named_scope(SCOPES["newton_schulz"]):
+                direction = inner_opt.orthogonalize(new_m, opt_info, residual_name=CHUNK_RESIDUAL)
+            new = dict(theta={key: decay * old_theta[key] - step * direction[key] for key in narrow}, momentum=new_m,
+                       mu=nu * c["mu"], decay_b=decay * c["decay_b"], coef={}, mix={}, gram={}, rows_m={}, rows_t={})
+            own = jax.lax.dynamic_index_in_dim(g_src, j, axis=1, keepdims=False)   # U_j U_jᵀ [n, n]
+            for key in wide:
+                new_rows = t.momentum_rows[:, None] * cotangents[key]   # W [n, h]
+                cross = _exact(mom_src[key].T, new_rows)
+                new["gram"][key] = (nu * nu * c["gram"][key] + nu * (cross + cross.T)
+                                    + _exact(new_rows.T, _exact(own, new_rows)))
+                rows_m = jax.lax.dynamic_update_slice_in_dim(nu * c["rows_m"][key], new_rows, j * n, 0)
+                with jax.named_scope(SCOPES["newton_schulz"]):
+                    factor = inner_opt.newton_schulz_factor(new["gram"][key], **ns, precision=MUON_CHAIN_PRECISION)
+                new["rows_m"][key] = rows_m
+                new["rows_t"][key] = decay * c["rows_t"][key] - step * (factor.scale * rows_m
+                                                                       + _exact(rows_m, factor.right))
+                new["coef"][key] = decay * c["coef"][key] - step * new["mu"] * factor.scale
+                new["mix"][key] = decay * c["mix"][key] - step * new["mu"] * factor.right
+        with jax.named_scope(SCOPES["chunk_read"]):
+            own_q = jnp.where(jnp.arange(S)[None, :, None] <= j, g_q, 0.0).reshape(b, N)
+            end_q = {key: theta_of(new, key, products[key][1], products[MOMENTUM_OF + key][1], own_q) for key in wide}
+
+            def wide_only(values, fallback):
+                def read(key, h):
+                    if key not in values:
+                        return fallback(key, h)
+                    if h is not t.queries:
+                        raise AssertionError(f"_muon_super_chunk: weight {key!r} read with other rows than φ(q)")
+                    return values[key]
+                return read
+
+            end_theta = new["theta"]
+            outputs = chunk_read(
+                spec, params_b, None, None, t, layer_inputs, cotangents, first,
+                product=lambda key, h: weight_product(h, old_theta[key], operands), operands=operands,
+                momentum_product=wide_only(mom_q, lambda key, h: weight_product(h, old_m[key], operands)),
+                end_product=wide_only(end_q, lambda key, h: weight_product(h, end_theta[key], operands)))
+        return new, outputs
+
+    c, outputs = jax.lax.scan(sub_chunk, init, (stacked_terms, stacked_base, gram_src, gram_q, jnp.arange(S)),
+                              unroll=MUON_SUB_CHUNK_UNROLL)
+    with jax.named_scope(SCOPES["chunk_end"]):
+        sources = jnp.concatenate([t.src_inputs for t in terms]) if joined is None else joined[:N]
+        params_end, momentum_end = dict(c["theta"]), dict(c["momentum"])
+        for key in wide:
+            w_b, m_b = params_b[key], momentum_b[key]
+            params_end[key] = (c["decay_b"] * w_b + c["coef"][key] * m_b + _exact(m_b, c["mix"][key])
+                               + _exact(sources.astype(jnp.float32).T, c["rows_t"][key]))
+            momentum_end[key] = c["mu"] * m_b + outer_product(sources, c["rows_m"][key], None, MUON_CHUNK_END_PRECISION)
+    state = MemoryState(params_end, inner_opt.MomentumState(momentum_end), carry.accumulator, win)
+    return state, outputs.reshape((S * b,) + outputs.shape[2:])
+
+
+def _grams_by_chunk(kernel, terms, raw_sources, raw_queries, cached):
+    """`_chain_grams`' [S, n, S, n] and [S, b, S, n] chunk by chunk (`_first_gram`), each sub-chunk's
+    sources with its own sources too, where the raw keys do not cover every chunk's window or φ has
+    no kernel. Blocks no caller reads (later chunks') are zero."""
+    n_sub, n = len(terms), terms[0].src_inputs.shape[0]
+    sources = [t.src_inputs for t in terms]
+    full = lambda block: jnp.pad(block, [(0, 0), (0, n_sub * n - block.shape[1])]).reshape(block.shape[0], n_sub, n)
+    gram_src, gram_q = [], []
+    for k, (t, raw) in enumerate(zip(terms, raw_sources)):
+        n_cached = n - (0 if raw is None else raw.shape[0])
+        gram_src.append(full(_first_gram(kernel, sources[:k + 1], raw_sources[:k + 1], t.src_inputs, raw, n_cached,
+                                         cached[k][0]).astype(jnp.float32)))
+        own = t.first_gram if t.first_gram is not None else rows_gram(t.queries, t.src_inputs)
+        earlier = [] if k == 0 else [_first_gram(kernel, sources[:k], raw_sources[:k], t.queries,
+                                                 None if raw_queries is None else raw_queries[k], 0, cached[k][1])]
+        gram_q.append(full(jnp.concatenate(earlier + [own], axis=1).astype(jnp.float32)))
+    return jnp.stack(gram_src), jnp.stack(gram_q)
 
 
 def _super_chunk_rows(features, xs: Steps, window: WindowCache | None, n_sub, b, n_window):
@@ -840,8 +1051,9 @@ def _chain_grams_by_chunk(kernel, terms, sources, cached, raw_sources, raw_queri
 
 def _super_chunks(spec, opt_info, steps: Steps) -> int:
     """Chunks per `_super_chunk` of the grouped scan: SUPER_CHUNK where θ's chunk end is linear
-    in the chunk's gradients, else 1."""
-    linear = opt_info.kind in ("gd", "implicit_gd") and not spec.retention.has_map
+    in the chunk's gradients (GD, implicit GD) or Muon's (linear in them up to Newton–Schulz, which
+    `_muon_super_chunk` takes from the momentum's Gram matrix), else 1."""
+    linear = opt_info.kind in ("gd", "implicit_gd", "muon") and not spec.retention.has_map
     at_start = spec.retention.decay == "none" or spec.retention.decoupled
     return SUPER_CHUNK if linear and at_start and steps.restart is None else 1
 
