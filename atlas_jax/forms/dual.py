@@ -64,7 +64,6 @@ from jax.ad_checkpoint import checkpoint_name
 from atlas_jax import optimizers as inner_opt
 from atlas_jax.features import pad_features
 from atlas_jax.linalg import product
-from atlas_jax.linalg import product as linalg_product
 from atlas_jax.forms.common import (
     MemoryState,
     Steps,
@@ -390,10 +389,10 @@ def first_layer_products(spec, params0, terms: ChunkTerms, *more: ChunkTerms, ex
     weights = {key: params0[key] for key in first_layer_keys(spec.memory, params0, terms.src_inputs.shape[-1])}
     for key, w in {**weights, **(extra or {})}.items():
         if key.startswith(MOMENTUM_OF):   # (its products meet R: `_muon_super_chunk`)
-            product = linalg_product(both, w, "nn", None, precision=MUON_CHAIN_PRECISION)
+            joint = product(both, w, "nn", None, precision=MUON_CHAIN_PRECISION)
         else:
-            product = weight_product(both, w, operands)
-        parts = [product[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
+            joint = weight_product(both, w, operands)
+        parts = [joint[lo:hi] for lo, hi in zip(edges[:-1], edges[1:])]
         for out, src, queries in zip(outs, parts[:len(chunks)], parts[len(chunks):]):
             out[key] = (src, queries)
     return outs if more else outs[0]
@@ -737,7 +736,8 @@ def _super_chunk_terms(spec, opt_info, features, carry: MemoryState, xs: Steps, 
 # three bf16 tensor-core passes (MUON_CHUNK_END_PRECISION's algorithm). On TF32 operands R was 0.23
 # off `newton_schulz` (a [512, 64] momentum of 300 decayed rank-one terms), on bf16 ones the route
 # diverged; at HIGHEST (off the tensor cores) it took 0.96× the per-chunk route's time, with these
-# 0.867×, and atlas' dk stayed bounded at B1 T16384 H8 D128 on an H200 like the per-chunk route's
+# 0.729× (MUON_SUB_CHUNK_UNROLL), and atlas' dk stayed bounded at B1 T16384 H8 D128 on an H200 as
+# the per-chunk route's does
 # (benchmarks/results/atlas_muon_super_chunks_h200_2026-11-30.md).
 MUON_CHAIN_PRECISION = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 _exact = functools.partial(jnp.matmul, precision=MUON_CHAIN_PRECISION)
