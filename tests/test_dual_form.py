@@ -32,6 +32,9 @@ def _spec(name):
     if name == "atlas":
         return dataclasses.replace(presets.get("atlas", hidden=16),
                                    optimizer=opt.muon(ns_every="chunk", coefficients="cubic"))
+    if name == "atlas_pp":   # the gated MLP: two first-layer weights read φ (both in Muon's super-chunks)
+        return dataclasses.replace(presets.get("atlas_pp", hidden=16),
+                                   optimizer=opt.muon(ns_every="chunk", coefficients="cubic"))
     if name == "titans_outside":   # the other momentum convention: m_t = ν m + ∇, u = −β m
         return dataclasses.replace(presets.get("titans", hidden=16), optimizer=opt.momentum(0.5, 0.9))
     if name == "omeganet_forget_first":   # gradients at the decayed P_t θ₀, one pass per (step, window position)
@@ -145,7 +148,8 @@ SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="om
                pytest.param("dla", 4, 21, 2, marks=pytest.mark.slow, id="dla-C4-T21-S2"),
                pytest.param("atlas", 4, 19, 3, id="atlas-C4-T19-S3"),
                pytest.param("atlas", 8, 37, 3, marks=pytest.mark.slow, id="atlas-C8-T37-S3"),
-               pytest.param("atlas", 2, 13, 3, marks=pytest.mark.slow, id="atlas-C2-T13-S3")]
+               pytest.param("atlas", 2, 13, 3, marks=pytest.mark.slow, id="atlas-C2-T13-S3"),
+               pytest.param("atlas_pp", 4, 19, 3, marks=pytest.mark.slow, id="atlas_pp-C4-T19-S3")]
 
 
 @pytest.mark.parametrize("name,chunk,T,per_super", SUPER_CASES)
@@ -157,7 +161,8 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     gates, three sub-chunks too (with φ padded by zero features: `FEATURE_ALIGN`); implicit GD
     without a feature map; dla (the dot objective, no skip map): outputs, states and gradients
     against the materialising form. All are depth-2 MLPs, so their sub-chunks run through the
-    super-chunk chain (`dual._chain`)."""
+    super-chunk chain (`dual._chain`); atlas and atlas_pp (Muon, NS per chunk) through
+    `dual._muon_super_chunk`, whose Newton–Schulz comes from the momentum's carried Gram matrix."""
     if per_super == 3:
         monkeypatch.setattr(dual, "FEATURE_ALIGN", 8)
         monkeypatch.setattr(dual, "FEATURE_PAD_MAX_FRACTION", 1.0)
@@ -176,9 +181,9 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
     monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
     monkeypatch.setattr(dual, "SUPER_CHUNK", per_super)
-    _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
+    _assert_forms_agree(name, chunk, T, per_position_gates=name in ("omeganet", "atlas_pp"))
     assert calls, "the super-chunk path did not run"
-    if name == "atlas":
+    if name.startswith("atlas"):
         assert muon_calls, "Muon's super-chunks did not run"
     else:
         assert chains, "the super-chunk chain (a depth-2 MLP) did not run"
@@ -305,7 +310,7 @@ def test_zero_features_that_align_the_feature_width_change_nothing(name, chunk, 
     assert features.output_dim(K) % 8 != 0 or not pads
     raw_steps = _one_sequence_steps(spec, K, V, T)._replace(inputs=jnp.ones((T, K)), queries=jnp.ones((T, K)))
     assert (dual._aligned_features(spec, one, raw_steps, features) is not None) == pads
-    _assert_forms_agree(name, chunk, T, per_position_gates=name == "omeganet")
+    _assert_forms_agree(name, chunk, T, per_position_gates=name in ("omeganet", "atlas_pp"))
 
 
 def test_weight_product_has_the_matmul_gradients_unbatched_and_vmapped():

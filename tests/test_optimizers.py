@@ -245,10 +245,14 @@ def test_newton_schulz_through_the_gram_matrix_equals_the_direct_iteration():
             raise AssertionError("an unknown Newton–Schulz method must raise")
 
 
-def test_atlas_layer_at_a_size_where_auto_takes_the_gram_route():
+def test_atlas_layer_at_a_size_where_auto_takes_the_gram_route(monkeypatch):
     """A 64-wide head with polynomial features (d_φ = 2145) and hidden 128: "auto" orthogonalises
     the [2145, 128] momentum through its Gram matrix; the layer's outputs and θ_0 gradient stay
-    within 1e-4 (relative norm) of the direct iteration."""
+    within 1e-4 (relative norm) of the direct iteration. The dual form's per-chunk route, where
+    ``ns_method`` reaches every weight (its super-chunks take the wide weights' NS from their Gram
+    matrix whatever the method: `forms.dual._muon_super_chunk`)."""
+    from atlas_jax.forms import dual
+    monkeypatch.setattr(dual, "SUPER_CHUNK", 1)
     B, Tn, H, K = 1, 21, 1, 64
     q, k, v, beta, g = random_inputs(4, B=B, T=Tn, H=H, K=K, V=K)
     results = {}
