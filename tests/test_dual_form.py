@@ -146,7 +146,7 @@ SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="om
                pytest.param("omeganet", 4, 19, 3, id="omeganet-C4-T19-S3"),
                pytest.param("ttt_mlp_implicit", 4, 29, 2, id="ttt_mlp_implicit-C4-T29-S2"),
                pytest.param("dla", 4, 21, 2, marks=pytest.mark.slow, id="dla-C4-T21-S2"),
-               pytest.param("atlas", 4, 19, 3, id="atlas-C4-T19-S3"),
+               pytest.param("atlas", 4, 19, 2, id="atlas-C4-T19-S2"),
                pytest.param("atlas", 8, 37, 3, marks=pytest.mark.slow, id="atlas-C8-T37-S3"),
                pytest.param("atlas", 2, 13, 3, marks=pytest.mark.slow, id="atlas-C2-T13-S3"),
                pytest.param("atlas_pp", 4, 19, 3, marks=pytest.mark.slow, id="atlas_pp-C4-T19-S3")]
