@@ -841,11 +841,10 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
                 spec, params_b, t, first, product=lambda key, h: weight_product(h, old_theta[key], operands))
         with jax.named_scope(SCOPES["chunk_end"]):
             nu, step, decay = t.momentum_carry, t.total_step, t.from_start[-1]
-            new_m = {key: outer_product(layer_inputs[key], t.momentum_rows[:, None] * cotangents[key], None,
-                                        MUON_CHUNK_END_PRECISION) + nu * old_m[key] for key in narrow}
-            with jax.named_scope(SCOPES["newton_schulz"]):
-                direction = inner_opt.orthogonalize(new_m, opt_info, residual_name=CHUNK_RESIDUAL)
-            new = dict(theta={key: decay * old_theta[key] - step * direction[key] for key in narrow}, momentum=new_m,
+            # the narrow weights' chunk end as `_one_chunk` takes it (θ and m formed every chunk)
+            narrow_end = chunk_end(spec, opt_info, MemoryState(old_theta, inner_opt.MomentumState(old_m), None, None),
+                                   t, layer_inputs, cotangents, operands)
+            new = dict(theta=narrow_end.params, momentum=narrow_end.opt_state.momentum,
                        mu=nu * c["mu"], decay_b=decay * c["decay_b"], coef={}, mix={}, gram={}, rows_m={}, rows_t={})
             own = jax.lax.dynamic_index_in_dim(g_src, j, axis=1, keepdims=False)   # U_j U_jᵀ [n, n]
             for key in wide:
