@@ -72,6 +72,13 @@ def build(name):
 STEP_SIZE_MAX = 1e-3
 
 
+def non_finite_leaves(tree) -> list[str]:
+    """The tree paths of ``tree``'s leaves that hold a NaN or an infinity."""
+    import jax
+    return [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+            if not bool(jax.numpy.isfinite(x).all())]
+
+
 def all_finite(tree) -> bool:
     """Whether every leaf of ``tree`` (a call's outputs and gradients) is finite."""
     import jax
@@ -158,6 +165,8 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
         result = jax.block_until_ready(call())
         first = time.perf_counter() - t
         row["finite"] = all_finite(result)
+        if not row["finite"]:   # which of the outputs and gradients (tree paths)
+            row["non_finite"] = non_finite_leaves(result)
         if first > SLOW_CALL_S:
             t = time.perf_counter()
             for _ in range(2):
