@@ -853,6 +853,11 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
                 new["gram"][key] = (nu * nu * c["gram"][key] + nu * (cross + cross.T)
                                     + _exact(new_rows.T, _exact(own, new_rows)))
                 rows_m = jax.lax.dynamic_update_slice_in_dim(nu * c["rows_m"][key], new_rows, j * n, 0)
+                # Formed again by each rematerialisation, never kept from the forward pass: kept, the
+                # backward's carries came from the forward's factor and its transpose's residuals from
+                # the chain formed again, which a GPU rounds differently, and NS's derivative (up to
+                # a⁵ ≈ 480) grew that mismatch chunk after chunk (atlas B1 T16384 H8: max |dk| 2e29,
+                # 0.3 rematerialised; benchmarks/results/atlas_time_and_kept_factor_h200_2026-11-30.md).
                 with jax.named_scope(SCOPES["newton_schulz"]):
                     factor = inner_opt.newton_schulz_factor(new["gram"][key], **ns, precision=MUON_CHAIN_PRECISION)
                 new["rows_m"][key] = rows_m
