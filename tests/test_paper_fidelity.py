@@ -278,6 +278,14 @@ def test_channel_wise_knobs_match_the_loop_in_both_forms(case):
     assert rel(o_chk, o_rec) < 1e-5 and all(rel(s_chk[key], s_rec[key]) < 1e-5 for key in s_rec)
 
 
+# The two knob layouts take different orders of the same float32 operations (channel-wise
+# products before the reductions, scalar ones after), and the layer-normed MLP memory's gradient
+# step amplifies those roundings: relative state differences of 1.1e-6 (chunk form, the suite's
+# JAX_DISABLE_MOST_OPTIMIZATIONS=1) and 3.3e-5 (recurrent form, XLA's optimisations on) over these
+# 11 steps on a 2-core CPU, 2026-11-30. A layout bug (a knob on the wrong axis) is O(1e-1).
+LAYOUT_TOL = 1e-4
+
+
 def test_channel_knobs_constant_over_channels_equal_the_scalar_knobs():
     spec = _channel_spec(opt.momentum(1.0, 0.9, step_inside=True), obj.Huber("mixture", 1.0),
                          ret.scalar(decoupled=True))
@@ -289,13 +297,13 @@ def test_channel_knobs_constant_over_channels_equal_the_scalar_knobs():
     for form in ({"impl": "recurrent"}, {"impl": "chunk", "chunk_size": 4}):
         o_s, s_s = _run(spec, state, q, k, v, scalar, **form)
         o_w, s_w = _run(spec, state, q, k, v, wide, **form)
-        assert rel(o_w, o_s) < 1e-6 and all(rel(s_w[key], s_s[key]) < 1e-6 for key in s_s), form
+        assert rel(o_w, o_s) < LAYOUT_TOL and all(rel(s_w[key], s_s[key]) < LAYOUT_TOL for key in s_s), form
     # and a channel-wise retention that is constant over channels is the scalar one
     chan = dataclasses.replace(spec, retention=ret.channel(decoupled=True))
     g_wide = jnp.broadcast_to(scalar["g"][..., None], (B, T, H, D))
     o_c, _ = _run(chan, state, q, k, v, {**wide, "g": g_wide}, impl="chunk", chunk_size=4)
     o_s, _ = _run(spec, state, q, k, v, scalar, impl="chunk", chunk_size=4)
-    assert rel(o_c, o_s) < 1e-6
+    assert rel(o_c, o_s) < LAYOUT_TOL
 
 
 def test_channel_knob_shapes_are_checked_with_the_allowed_shapes_named():
