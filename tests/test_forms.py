@@ -83,7 +83,8 @@ def _state0(spec, key, B, H, K, V):
 
 # Moneta (LayerNorm of a shrinking MLP branch) and Yaad (Huber's discontinuous ℓ2/ℓ1 switch) amplify
 # float32 rounding: a 1e-7 relative perturbation of v moves their outputs by 1e-2 (Moneta) and 3e-1
-# (Yaad) after 33 steps in the recurrent form alone. Over 7 steps both are well-conditioned.
+# (Yaad) after 33 steps in the recurrent form alone. Over 7 steps far less, but Moneta's state still
+# moves by up to 1.6e-5, so both are held to that measured movement (the test's bar).
 _ILL_CONDITIONED = {"moneta": 7, "yaad": 7}
 
 
@@ -118,10 +119,14 @@ def test_chunk_size_one_equals_recurrent(name):
         out_err, state_err = both(dataclasses.replace(spec, optimizer=opt.muon(coefficients="cubic")))
         assert out_err < 1e-5 and state_err < 1e-5, (
             f"cubic Newton–Schulz (convergent, tight bar 1e-5): outputs {out_err:.2e}, states {state_err:.2e}")
+    if spec.opt_kind == "muon" or name in _ILL_CONDITIONED:
+        # Moneta's state moves by 3e-6 to 1.6e-5 under that perturbation even over 7 steps (the
+        # elemental / fusion CPU emitters), and the two forms' rounding differed by 1.8e-5 in its
+        # state with the elemental emitters (bitwise equal with the others): the same bar.
         out_err, state_err = both(spec)
         out_sens, state_sens = sensitivity(spec)
         assert out_err < 1e-5 + 10 * out_sens and state_err < 1e-5 + 10 * state_sens, (
-            f"Muon's quintic: the bar is 1e-5 plus 10x the recurrent form's own movement under a 1e-7 "
+            f"{name}: the bar is 1e-5 plus 10x the recurrent form's own movement under a 1e-7 "
             f"perturbation of v (outputs {1e-5 + 10 * out_sens:.2e}, states {1e-5 + 10 * state_sens:.2e}); "
             f"measured outputs {out_err:.2e}, states {state_err:.2e}")
     else:
