@@ -1,5 +1,6 @@
 """Set up XLA for the test suite before JAX starts: CPU thread pools sized to the CPUs this
-machine really has, compile-time optimisations off and XLA's older, faster-compiling CPU emitters.
+machine really has, compile-time optimisations off and, on jaxlib 0.10, XLA's older, faster-compiling
+CPU emitters.
 
 The tests run tiny shapes, so compiling dominates their time (Pallas interpret mode unrolls every
 kernel into a large XLA program). JAX_DISABLE_MOST_OPTIMIZATIONS skips XLA's and LLVM's expensive
