@@ -40,6 +40,16 @@ def _forget_atlas_jax(root):
         sys.path.remove(str(root))
 
 
+def _compiled_gib(exe):
+    """XLA's compiled memory of a deep-memory layer (arguments, outputs and temporaries, GiB): the
+    trees' peak differs by what their schedules keep for the backward pass."""
+    m = exe.memory_analysis()
+    if m is None:
+        return float("nan")
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes) / 2**30
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
@@ -73,7 +83,7 @@ def main():
     B, T, H, D = args.shape
     inputs = {op: timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
               for op in args.ops}
-    compiled = {}
+    compiled, compiled_gib = {}, {}
     for name, root in trees:
         t0 = time.perf_counter()
         if caps:
@@ -89,6 +99,7 @@ def main():
                                 ("fwdbwd", fwdbwd, (q, k, v, knobs, state, do))):
                 if mode in args.modes:
                     exe = fn.lower(*a).compile()
+                    compiled_gib[f"{preset}/{mode}/{name}"] = _compiled_gib(exe)
                     out = jax.block_until_ready(exe(*a))
                     if not deep_memory.all_finite(out):
                         timing.log(f"[warning] {name} {preset} {mode}: non-finite outputs (timed all the same)")
@@ -107,7 +118,9 @@ def main():
 
     device = jax.devices()[0]
     results = {"device": str(device), "device_kind": device.device_kind, "jax": jax.__version__,
-               "shape": args.shape, "impl": args.impl, "rounds": {}}
+               "shape": args.shape, "impl": args.impl, "compiled_gib": compiled_gib, "rounds": {}}
+    for key, gib in compiled_gib.items():
+        timing.log(f"[compiled memory] {key}: {gib:.2f} GiB")
     rounds = results["rounds"]
     for r in range(args.rounds):
         for op in args.ops + args.presets:
