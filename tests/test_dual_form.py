@@ -150,14 +150,21 @@ SUPER_CASES = [pytest.param("omeganet", 8, 45, 2, marks=pytest.mark.slow, id="om
                pytest.param("atlas", 8, 37, 3, marks=pytest.mark.slow, id="atlas-C8-T37-S3"),
                pytest.param("atlas", 2, 13, 3, marks=pytest.mark.slow, id="atlas-C2-T13-S3"),
                pytest.param("atlas_pp", 4, 19, 3, marks=pytest.mark.slow, id="atlas_pp-C4-T19-S3")]
+# Each case with the state kept at every super-chunk's start (one level of rematerialisation, what
+# the presets' states take at D 128) and, for two of them in CI, once per group of super-chunks
+# (two levels: a state over SUPER_CHUNK_BYTES_PER_TOKEN)
+LEVEL_CASES = [pytest.param(*case.values, 1, marks=case.marks, id=f"{case.id}-one_level") for case in SUPER_CASES] + [
+    pytest.param(*case.values, 2, marks=() if case.id in ("omeganet-C4-T19-S3", "atlas-C4-T19-S2") else
+                 (pytest.mark.slow,), id=f"{case.id}-two_levels") for case in SUPER_CASES]
 
 
-@pytest.mark.parametrize("name,chunk,T,per_super", SUPER_CASES)
-def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chunk, T, per_super, monkeypatch):
+@pytest.mark.parametrize("name,chunk,T,per_super,levels", LEVEL_CASES)
+def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chunk, T, per_super, levels, monkeypatch):
     """Where θ's chunk end is linear in the chunk's gradients (GD, implicit GD) the grouped scan
     forms θ once per SUPER_CHUNK chunks, the later chunks taking their gradients at θ plus the
-    earlier chunks' low-rank updates. Groups of 3 chunks (rounded up to whole super-chunks), the
-    last group with a whole chunk of padding or more; omeganet with its window, decay and per-position
+    earlier chunks' low-rank updates. Super-chunks balanced over the sequence, kept at their start
+    (``levels`` 1), or in groups of 3 chunks rounded up to whole super-chunks, the last group with a
+    whole chunk of padding or more (``levels`` 2); omeganet with its window, decay and per-position
     gates, three sub-chunks too (with φ padded by zero features: `FEATURE_ALIGN`); implicit GD
     without a feature map; dla (the dot objective, no skip map): outputs, states and gradients
     against the materialising form. All are depth-2 MLPs, so their sub-chunks run through the
@@ -181,7 +188,14 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
     monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
     monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
     monkeypatch.setattr(dual, "SUPER_CHUNK", per_super)
+    if levels == 2:
+        monkeypatch.setattr(dual, "SUPER_CHUNK_BYTES_PER_TOKEN", 1)
+    schedules = []
+    schedule = dual._schedule
+    monkeypatch.setattr(dual, "_schedule", lambda *a: schedules.append(schedule(*a)) or schedules[-1])
     _assert_forms_agree(name, chunk, T, per_position_gates=name in ("omeganet", "atlas_pp"))
+    kept_at_start = {one_level for _, per_super, one_level in schedules if per_super > 1}
+    assert kept_at_start == {levels == 1}, f"the state was not kept at the level asked for: {schedules}"
     assert calls, "the super-chunk path did not run"
     if name.startswith("atlas"):
         assert muon_calls, "Muon's super-chunks did not run"
@@ -589,7 +603,8 @@ def test_polynomial_feature_presets_memory_grows_at_most_one_mib_per_token(name)
     """Degree-2 features at D = 128 are d_φ = 8385 wide per head: kept for the backward pass over the
     whole sequence, φ(q) and φ(k) alone grew by ~2 MiB per token (omeganet 2.61, atlas 2.83 MiB per
     token before φ moved into the dual form's chunks; 0.24 and 0.46 after, mostly θ (and momentum)
-    kept once per group of ~1024 tokens)."""
+    kept once per group of ~1024 tokens; 0.44 and 0.91 with θ kept at every super-chunk's start,
+    every 512 tokens, which saves the backward pass one evaluation of each super-chunk)."""
     spec = presets.get("atlas", ns_every="chunk") if name == "atlas" else presets.get(name)
     growth = _growth_per_token(lambda T: _temp_bytes(spec, T))
     assert growth <= 2 ** 20, f"{name}: {growth / 2 ** 20:.3f} MiB per token"

@@ -23,7 +23,9 @@ backward pass is JAX's autodiff with rematerialisation of each chunk and, for a 
 group of chunks, so what it keeps is O(T·d) activations plus one state per group of chunks
 (``BOUNDARY_BYTES_PER_TOKEN``). Where θ's chunk end is linear in the gradients (GD), the grouped
 scan forms θ once per ``SUPER_CHUNK`` chunks: a later chunk's gradients are taken at the earlier
-chunks' θ₀ plus their low-rank updates, by the same products as a read (`_super_chunk`). Muon
+chunks' θ₀ plus their low-rank updates, by the same products as a read (`_super_chunk`); the state
+is then kept at every super-chunk's start where that fits ``SUPER_CHUNK_BYTES_PER_TOKEN`` (one
+level of rematerialisation), else once per group of super-chunks (`_schedule`). Muon
 (Newton–Schulz per chunk) runs in super-chunks too: NS of the momentum is taken from its Gram
 matrix, carried through the sub-chunks' low-rank updates (`_muon_super_chunk`).
 
@@ -105,7 +107,8 @@ FEATURE_ALIGN = 128
 FEATURE_PAD_MAX_FRACTION = 1 / 16
 # In the grouped scan the backward pass evaluates a chunk three times: the forward, the group's
 # rematerialised forward (for the chunks' start states) and the chunk's own rematerialisation (for
-# its residuals). The group's rematerialised forward therefore keeps the chunk's products with θ
+# its residuals); twice with super-chunks kept at their start (SUPER_CHUNK_BYTES_PER_TOKEN), where the
+# forward takes the group's part below. The group's rematerialised forward therefore keeps the chunk's products with θ
 # that are not θ-sized (CHUNK_RESIDUAL, jax.ad_checkpoint.checkpoint_name: the first layer's
 # [n + b, h] products, the later layers' inputs and every layer's output cotangents), so the
 # chunk's rematerialisation skips them (above all the first layer's [n + b, d_φ] × [d_φ, h]);
@@ -127,6 +130,20 @@ CHUNK_RESIDUAL = "dual_chunk_residual"
 # layer there in 29 s at 8 against 15 at 4, and its memory grows 2.84 -> 2.95 GiB
 # (benchmarks/results/dual_chain_h200_2026-11-28.md).
 SUPER_CHUNK = 8
+# Where super-chunks apply, the backward pass keeps the state at every super-chunk's start (one
+# level of rematerialisation: a super-chunk is evaluated twice, the forward and its own
+# rematerialisation, which reads the residuals the forward named) while that costs at most
+# SUPER_CHUNK_BYTES_PER_TOKEN per token, per sequence and head; a larger state is kept once per
+# group of GROUP_TOKENS (two levels: three evaluations, the group's rematerialised forward between).
+# omeganet (D 128, d_φ 8448: 43 KiB a token at super-chunks of 512 tokens) and atlas (θ and momentum,
+# 86 KiB) fit it. H200, bf16 fwd+bwd, two trees interleaved in one command each: omeganet B1 T4096
+# 50.16 -> 39.14 ms (×0.780), B4 T4096 149.4 -> 116.8 (×0.782); dla B1 T4096 ×0.797; atlas B1
+# T4096 535.5 -> 434.4 (×0.811), B4 T4096 ×0.801. XLA's compiled memory at B4 T4096 10.5 -> 12.9
+# GiB (omeganet), 28.5 -> 33.9 (atlas); atlas at B1 T65536 6.94 s (8.51 s grouped) at 66.3 GiB
+# measured peak (30.7 grouped), its gradients as close to the float32 reference as the grouped
+# scan's (benchmarks/results/dual_super_chunks_kept_h200_2026-11-30.md). Super-chunks of 16
+# chunks kept alike were slower (×0.830 / ×0.827 at B4 T4096) and took more memory.
+SUPER_CHUNK_BYTES_PER_TOKEN = 128 * 1024
 # The precision of Muon's chunk-end momentum product, forward and backward (`chunk_end`, which says
 # why it must not be rounded like the other products): three bf16 tensor-core passes (each operand
 # split into a bf16 head and tail, float32 accumulation; float32 on a CPU). atlas B1 T16384 H8
@@ -1062,6 +1079,22 @@ def _super_chunks(spec, opt_info, steps: Steps) -> int:
     return SUPER_CHUNK if linear and at_start and steps.restart is None else 1
 
 
+def _schedule(spec, opt_info, state: MemoryState, steps: Steps, n_chunks: int, b: int, boundary_bytes_per_token):
+    """(chunks a group, chunks a super-chunk, whether a group is one super-chunk kept at its start)
+    of the scan over ``n_chunks`` chunks of ``b`` steps: every chunk's state kept (1, 1, False), or
+    super-chunks kept at their start (S, S, True), or groups of chunks or super-chunks (G, S, False)."""
+    if keeps_every_chunk_state(state, b, boundary_bytes_per_token):
+        return 1, 1, False
+    per_super = _super_chunks(spec, opt_info, steps)
+    if per_super > 1 and _carried_bytes(state) <= per_super * b * SUPER_CHUNK_BYTES_PER_TOKEN:
+        per_super = -(-n_chunks // -(-n_chunks // per_super))   # balanced: < 1 chunk of padding a super-chunk
+        return per_super, per_super, per_super > 1
+    n_groups = -(-n_chunks // max(1, GROUP_TOKENS // b))
+    per_group = -(-n_chunks // n_groups)   # balanced groups: fewer than n_groups chunks of padding
+    per_super = min(per_super, per_group)
+    return -(-per_group // per_super) * per_super, per_super, False
+
+
 def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
                   boundary_bytes_per_token=None, low_precision: bool = False):
     """The dual form for one sequence and head (steps padded to a multiple of ``chunk_size``):
@@ -1083,12 +1116,7 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
     b = chunk_size
     total = steps.active.shape[0]
     n_chunks = total // b
-    per_group, per_super = 1, 1
-    if not keeps_every_chunk_state(state, b, boundary_bytes_per_token):
-        n_groups = -(-n_chunks // max(1, GROUP_TOKENS // b))
-        per_group = -(-n_chunks // n_groups)   # balanced groups: fewer than n_groups chunks of padding
-        per_super = min(_super_chunks(spec, opt_info, steps), per_group)
-        per_group = -(-per_group // per_super) * per_super
+    per_group, per_super, one_level = _schedule(spec, opt_info, state, steps, n_chunks, b, boundary_bytes_per_token)
     n_groups = -(-n_chunks // per_group)
     pad = n_groups * per_group * b - total
     padded = steps if pad == 0 else jax.tree.map(lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)), steps)
@@ -1126,8 +1154,11 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         # fwd+bwd 45.1 -> 42.1 ms and atlas 190.2 -> 185.9, but XLA's compiled memory at B1 T4096
         # grew by a constant 1.2 GiB (omeganet, 4.3 -> 5.5) and 7.4 GiB (atlas, 9.9 -> 17.3) per
         # sequence: unrolled, the backward keeps several chunks' state-sized intermediates at once.
-        group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
-        final, outputs = jax.lax.scan(group, state, grouped)
+        if one_level:   # each group is one super-chunk, kept at its start
+            final, outputs = jax.lax.scan(chunk, state, jax.tree.map(lambda x: x[:, 0], grouped))
+        else:
+            group = jax.checkpoint(lambda carry, xs: jax.lax.scan(chunk, carry, xs))
+            final, outputs = jax.lax.scan(group, state, grouped)
     outputs = outputs.reshape((n_groups * per_group * b,) + outputs.shape[-1:])
     return final, outputs if pad == 0 else outputs[:total]
 
@@ -1319,8 +1350,11 @@ def keeps_every_chunk_state(state: MemoryState, chunk_size: int, boundary_bytes_
     """Whether the dual form keeps every chunk's state (one sequence and head's ``state``): the
     split form, whose sequential pass a kernel can run; else chunks are grouped (fused form)."""
     budget = BOUNDARY_BYTES_PER_TOKEN if boundary_bytes_per_token is None else boundary_bytes_per_token
-    carried = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state.params, state.opt_state, state.accumulator)))
-    return carried <= chunk_size * budget
+    return _carried_bytes(state) <= chunk_size * budget
+
+
+def _carried_bytes(state: MemoryState) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state.params, state.opt_state, state.accumulator)))
 
 
 def kernel_gap(spec, state: MemoryState, steps: Steps, *, chunk_size: int, d_in: int | None = None) -> str | None:
