@@ -222,6 +222,27 @@ def test_super_chunks_only_where_the_chunk_end_is_linear():
         assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), packed) == 1, name
 
 
+def test_which_presets_keep_super_chunks_at_their_start_at_d128():
+    """The schedule of a sequence of 64 chunks of 64 at D 128 (the shapes the README states; φ's
+    width before the form pads it to FEATURE_ALIGN, which moves no preset across the bound): a
+    polynomial-feature preset's state is kept at every super-chunk's start while it costs at most
+    SUPER_CHUNK_BYTES_PER_TOKEN a token (omeganet, dla, atlas), else once per group of super-chunks
+    (atlas_pp's gated MLP); titans' small state at every chunk."""
+    from atlas_jax import optimizers as inner_opt
+    from atlas_jax.forms.common import MemoryState
+
+    chunk, n_chunks, n_super = 64, 64, dual.SUPER_CHUNK
+    expect = {"omeganet": (n_super, n_super, True), "dla": (n_super, n_super, True),
+              "atlas": (n_super, n_super, True), "atlas_pp": (2 * n_super, n_super, False), "titans": (1, 1, False)}
+    for name, want in expect.items():
+        spec = presets.get(name, ns_every="chunk") if name.startswith("atlas") else presets.get(name)
+        state = jax.eval_shape(lambda: spec.init_state(jax.random.PRNGKey(0), batch=1, heads=1, d_k=128, d_v=128))
+        state = MemoryState(*jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), tuple(state)))
+        steps = _one_sequence_steps(spec, 128, 128, n_chunks * chunk)
+        got = dual._schedule(spec, inner_opt.info(spec.optimizer), state, steps, n_chunks, chunk, None)
+        assert got == want, (name, got)
+
+
 def test_unrolled_chunk_scan_gives_the_same_results(monkeypatch):
     """At UNROLL_MIN_CHUNKS chunks or more the scan over chunks takes CHUNK_UNROLL chunks per
     iteration (fewer copies of the carried state): 18 chunks of 4 (not a multiple of the unroll,

@@ -135,8 +135,10 @@ SUPER_CHUNK = 8
 # rematerialisation, which reads the residuals the forward named) while that costs at most
 # SUPER_CHUNK_BYTES_PER_TOKEN per token, per sequence and head; a larger state is kept once per
 # group of GROUP_TOKENS (two levels: three evaluations, the group's rematerialised forward between).
-# omeganet (D 128, d_φ 8448: 43 KiB a token at super-chunks of 512 tokens) and atlas (θ and momentum,
-# 86 KiB) fit it. H200, bf16 fwd+bwd, two trees interleaved in one command each: omeganet B1 T4096
+# omeganet (D 128, d_φ 8448: 42 KiB a token at super-chunks of 512 tokens), dla (34) and atlas (θ and
+# momentum, 84) fit it; atlas_pp (its gated MLP's two wide weights and their momentum, 150) keeps two
+# levels, which holds its compiled memory near atlas' (the bound is what a token may cost at H8 D128:
+# under 1 MiB with the rest of the layer, as tests/test_dual_form.py holds omeganet and atlas to). H200, bf16 fwd+bwd, two trees interleaved in one command each: omeganet B1 T4096
 # 50.16 -> 39.14 ms (×0.780), B4 T4096 149.4 -> 116.8 (×0.782); dla B1 T4096 ×0.797; atlas B1
 # T4096 535.5 -> 434.4 (×0.811), B4 T4096 ×0.801. XLA's compiled memory at B4 T4096 10.5 -> 12.9
 # GiB (omeganet), 28.5 -> 33.9 (atlas); atlas at B1 T65536 6.94 s (8.51 s grouped) at 66.3 GiB
