@@ -80,9 +80,9 @@ __all__ = ["BOUNDARY_BYTES_PER_TOKEN", "GROUP_TOKENS", "covers", "dual_batched_k
 
 # The backward pass keeps the state (θ and the optimizer state) at every chunk boundary while that
 # costs at most BOUNDARY_BYTES_PER_TOKEN per token (per sequence and head: titans at D = 128 and
-# chunk 64, 1 MiB of θ and momentum, 16 KiB per token); a larger state is kept once per group of
-# about GROUP_TOKENS tokens, and the backward pass holds one state per chunk of the group it is in
-# (two-level rematerialisation). Keeping a fixed group length, rather than √(number of chunks), makes
+# chunk 64, 1 MiB of θ and momentum, 16 KiB per token); a larger state is kept once per super-chunk
+# (SUPER_CHUNK_BYTES_PER_TOKEN, below) or once per group of about GROUP_TOKENS tokens, and the
+# backward pass holds one state per chunk of the group it is in (two-level rematerialisation). Keeping a fixed group length, rather than √(number of chunks), makes
 # the memory kept per token independent of T.
 BOUNDARY_BYTES_PER_TOKEN = 16 * 1024
 GROUP_TOKENS = 1024
