@@ -82,8 +82,9 @@ __all__ = ["BOUNDARY_BYTES_PER_TOKEN", "GROUP_TOKENS", "covers", "dual_batched_k
 # costs at most BOUNDARY_BYTES_PER_TOKEN per token (per sequence and head: titans at D = 128 and
 # chunk 64, 1 MiB of θ and momentum, 16 KiB per token); a larger state is kept once per super-chunk
 # (SUPER_CHUNK_BYTES_PER_TOKEN, below) or once per group of about GROUP_TOKENS tokens, and the
-# backward pass holds one state per chunk of the group it is in (two-level rematerialisation). Keeping a fixed group length, rather than √(number of chunks), makes
-# the memory kept per token independent of T.
+# backward pass holds one state per chunk of the group it is in (two-level rematerialisation).
+# Keeping a fixed group length, rather than √(number of chunks), makes the memory kept per token
+# independent of T.
 BOUNDARY_BYTES_PER_TOKEN = 16 * 1024
 GROUP_TOKENS = 1024
 # Chunks per iteration of the scan that keeps every chunk's state. XLA copies the carried state
@@ -107,16 +108,16 @@ FEATURE_ALIGN = 128
 FEATURE_PAD_MAX_FRACTION = 1 / 16
 # In the grouped scan the backward pass evaluates a chunk three times: the forward, the group's
 # rematerialised forward (for the chunks' start states) and the chunk's own rematerialisation (for
-# its residuals); twice with super-chunks kept at their start (SUPER_CHUNK_BYTES_PER_TOKEN), where the
-# forward takes the group's part below. The group's rematerialised forward therefore keeps the chunk's products with θ
-# that are not θ-sized (CHUNK_RESIDUAL, jax.ad_checkpoint.checkpoint_name: the first layer's
-# [n + b, h] products, the later layers' inputs and every layer's output cotangents), so the
-# chunk's rematerialisation skips them (above all the first layer's [n + b, d_φ] × [d_φ, h]);
-# φ itself is recomputed (cheap, and [n, d_φ] a chunk). Nothing θ-sized is kept: Newton–Schulz's
-# iterates are recomputed. B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command:
-# omeganet 41.3 -> 36.2 ms, atlas 176.0 -> 177.9 (Newton–Schulz dominates it); compiled memory at
-# B1 T4096 +0.08 GiB (omeganet). Newton–Schulz's norm and Gram matrices (n × n) are kept too
-# (`newton_schulz`'s ``residual_name``, where it is measured).
+# its residuals); twice with super-chunks kept at their start (SUPER_CHUNK_BYTES_PER_TOKEN), where
+# the forward takes the group's part below. The group's rematerialised forward therefore keeps the
+# chunk's products with θ that are not θ-sized (CHUNK_RESIDUAL, jax.ad_checkpoint.checkpoint_name:
+# the first layer's [n + b, h] products, the later layers' inputs and every layer's output
+# cotangents), so the chunk's rematerialisation skips them (above all the first layer's [n + b, d_φ]
+# × [d_φ, h]); φ itself is recomputed (cheap, and [n, d_φ] a chunk). Nothing θ-sized is kept:
+# Newton–Schulz's iterates are recomputed. B1 T1024 H8 D128 bf16 fwd+bwd on an H200, interleaved in
+# one command: omeganet 41.3 -> 36.2 ms, atlas 176.0 -> 177.9 (Newton–Schulz dominates it); compiled
+# memory at B1 T4096 +0.08 GiB (omeganet). Newton–Schulz's norm and Gram matrices (n × n) are kept
+# too (`newton_schulz`'s ``residual_name``, where it is measured).
 CHUNK_RESIDUAL = "dual_chunk_residual"
 # Chunks per θ formed in the grouped scan where the chunk end is linear in the chunk's gradients
 # (GD; `_super_chunk`): chunk k of a super-chunk takes its gradients at θ_B plus the low-rank
@@ -135,16 +136,17 @@ SUPER_CHUNK = 8
 # rematerialisation, which reads the residuals the forward named) while that costs at most
 # SUPER_CHUNK_BYTES_PER_TOKEN per token, per sequence and head; a larger state is kept once per
 # group of GROUP_TOKENS (two levels: three evaluations, the group's rematerialised forward between).
-# omeganet (D 128, d_φ 8448: 42 KiB a token at super-chunks of 512 tokens), dla (34) and atlas (θ and
-# momentum, 84) fit it; atlas_pp (its gated MLP's two wide weights and their momentum, 150) keeps two
-# levels, which holds its compiled memory near atlas' (the bound is what a token may cost at H8 D128:
-# under 1 MiB with the rest of the layer, as tests/test_dual_form.py holds omeganet and atlas to). H200, bf16 fwd+bwd, two trees interleaved in one command each: omeganet B1 T4096
-# 50.16 -> 39.14 ms (×0.780), B4 T4096 149.4 -> 116.8 (×0.782); dla B1 T4096 ×0.797; atlas B1
-# T4096 535.5 -> 434.4 (×0.811), B4 T4096 ×0.801. XLA's compiled memory at B4 T4096 10.5 -> 12.9
-# GiB (omeganet), 28.5 -> 33.9 (atlas); atlas at B1 T65536 6.94 s (8.51 s grouped) at 66.3 GiB
-# measured peak (30.7 grouped), its gradients as close to the float32 reference as the grouped
-# scan's (benchmarks/results/dual_super_chunks_kept_h200_2026-11-30.md). Super-chunks of 16
-# chunks kept alike were slower (×0.830 / ×0.827 at B4 T4096) and took more memory.
+# omeganet (D 128, d_φ 8448: 42 KiB a token at super-chunks of 512 tokens), dla (34) and atlas (θ
+# and momentum, 84) fit it; atlas_pp (its gated MLP's two wide weights and their momentum, 150)
+# keeps two levels, which holds its compiled memory near atlas' (the bound is what a token may cost
+# at H8 D128: under 1 MiB with the rest of the layer, as tests/test_dual_form.py holds omeganet and
+# atlas to). H200, bf16 fwd+bwd, two trees interleaved in one command each: omeganet B1 T4096 50.16
+# -> 39.14 ms (×0.780), B4 T4096 149.4 -> 116.8 (×0.782); dla B1 T4096 ×0.797; atlas B1 T4096 535.5
+# -> 434.4 (×0.811), B4 T4096 ×0.801. XLA's compiled memory at B4 T4096 10.5 -> 12.9 GiB (omeganet),
+# 28.5 -> 33.9 (atlas); atlas at B1 T65536 6.94 s (8.51 s grouped) at 66.3 GiB measured peak (30.7
+# grouped), its gradients as close to the float32 reference as the grouped scan's
+# (benchmarks/results/dual_super_chunks_kept_h200_2026-11-30.md). Super-chunks of 16 chunks kept
+# alike were slower (×0.830 / ×0.827 at B4 T4096) and took more memory.
 SUPER_CHUNK_BYTES_PER_TOKEN = 128 * 1024
 # The precision of Muon's chunk-end momentum product, forward and backward (`chunk_end`, which says
 # why it must not be rounded like the other products): three bf16 tensor-core passes (each operand
