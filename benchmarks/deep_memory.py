@@ -6,8 +6,8 @@ tokens per second and peak memory (issue 24), with titans-pytorch's NeuralMemory
     python benchmarks/deep_memory.py --compile-only                   # XLA's memory analysis only
     python benchmarks/deep_memory.py --tiny                           # CPU check of the script itself
 
-Entries (``--presets``): titans, omeganet, atlas (Newton–Schulz of the chunk-end momentum,
-``ns_every="chunk"``: the dual form), atlas_ns_bf16 (the same with Newton–Schulz on bf16 operands,
+Entries (``--presets``): titans, ttt_mlp, omeganet, dla, atlas (Newton–Schulz of the chunk-end
+momentum, ``ns_every="chunk"``: the dual form), atlas_pp (the same on Atlas++'s gated MLP), atlas_ns_bf16 (the same with Newton–Schulz on bf16 operands,
 ``ns_dtype="bfloat16"``), atlas_ns_direct (NS iterated on the [d_φ, h] momentum itself, as before
 the Gram route became the default for tall momenta: ``ns_method="direct"``), atlas_token (NS on every m_t as the paper: the materialising
 form, O(chunk·|θ|) per sequence and head — it may run out of memory or take minutes), and
@@ -47,6 +47,7 @@ ENTRIES = {   # entry name -> (preset, preset options, what the table says)
     "dla": ("dla", {}, "dla"),
     "atlas": ("atlas", {"ns_every": "chunk"}, "atlas, NS per chunk"),
     "atlas_token": ("atlas", {"ns_every": "token"}, "atlas, NS per token"),
+    "atlas_pp": ("atlas_pp", {"ns_every": "chunk"}, "atlas_pp (gated MLP), NS per chunk"),
     "atlas_ns_bf16": ("atlas", {"ns_every": "chunk", "ns_dtype": "bfloat16"}, "atlas, NS per chunk on bf16 operands"),
     "atlas_ns_bf16_gram": ("atlas", {"ns_every": "chunk", "ns_dtype": "bfloat16", "ns_method": "gram"},
                            "atlas, NS per chunk on bf16 operands through the Gram matrix"),
