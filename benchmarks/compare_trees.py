@@ -40,16 +40,6 @@ def _forget_atlas_jax(root):
         sys.path.remove(str(root))
 
 
-def _compiled_gib(exe):
-    """XLA's compiled memory of a deep-memory layer (arguments, outputs and temporaries, GiB): the
-    trees' peak differs by what their schedules keep for the backward pass."""
-    m = exe.memory_analysis()
-    if m is None:
-        return float("nan")
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes) / 2**30
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
@@ -99,7 +89,7 @@ def main():
                                 ("fwdbwd", fwdbwd, (q, k, v, knobs, state, do))):
                 if mode in args.modes:
                     exe = fn.lower(*a).compile()
-                    compiled_gib[f"{preset}/{mode}/{name}"] = _compiled_gib(exe)
+                    compiled_gib[f"{preset}/{mode}/{name}"] = deep_memory.compiled_total_gib(exe)
                     out = jax.block_until_ready(exe(*a))
                     if not deep_memory.all_finite(out):
                         timing.log(f"[warning] {name} {preset} {mode}: non-finite outputs (timed all the same)")

@@ -73,6 +73,15 @@ def build(name):
 STEP_SIZE_MAX = 1e-3
 
 
+def compiled_total_gib(compiled) -> float:
+    """XLA's compiled memory of an executable: temporaries, arguments and outputs, GiB (nan where
+    the backend gives no analysis)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return float("nan")
+    return (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes) / 2 ** 30
+
+
 def non_finite_leaves(tree) -> list[str]:
     """The tree paths of ``tree``'s leaves that hold a NaN or an infinity."""
     import jax
@@ -157,8 +166,7 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
     analysis = compiled.memory_analysis()
     if analysis is not None:
         row["compiled_temp_GiB"] = analysis.temp_size_in_bytes / 2 ** 30
-        row["compiled_total_GiB"] = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
-                                     + analysis.output_size_in_bytes) / 2 ** 30
+        row["compiled_total_GiB"] = compiled_total_gib(compiled)
     if not compile_only:
         call = lambda: compiled(*args)
         t = time.perf_counter()
