@@ -13,7 +13,13 @@ the Gram route became the default for tall momenta: ``ns_method="direct"``), atl
 form, O(chunk·|θ|) per sequence and head — it may run out of memory or take minutes), and
 titans_pytorch (``NeuralMemory(dim=H·D, heads=H, dim_head=D, chunk_size=chunk)``, bf16 autocast on
 GPU, projections included, forward+backward of its output's sum; needs torch and titans-pytorch,
-e.g. from ../shared/bench's wheels).
+e.g. from ../shared/bench's wheels) and titans_pytorch_every_chunk (the same with
+``batch_size=chunk``). With its default ``batch_size=None`` titans-pytorch takes every chunk's
+gradients at the sequence's initial weights (one batched call, no chain from chunk to chunk) and
+applies momentum and decay per chunk; ``batch_size=chunk`` takes each chunk's gradients at the
+weights after the chunk before, the chunk-start point our titans preset uses (Titans §3.2 with
+mini-batches of one chunk). Ours also reads θ_t and applies momentum and decay per token, where
+titans-pytorch reads each chunk with the weights after the chunk before.
 
 Ours: jax.vjp of the memory layer's outputs with respect to q, k, v, the per-token knobs and θ₀
 (the memory alone, no model around it), float32. ``--reference`` adds the materialising chunked
@@ -55,6 +61,8 @@ ENTRIES = {   # entry name -> (preset, preset options, what the table says)
                         "atlas, NS per chunk iterated on the momentum itself (no Gram route)"),
 }
 TORCH_ENTRY = "titans_pytorch"
+# titans-pytorch entry -> its NeuralMemory's batch_size (None: its default; "chunk": the chunk size)
+TORCH_ENTRIES = {TORCH_ENTRY: None, "titans_pytorch_every_chunk": "chunk"}
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
 SLOW_CALL_S = 2.0
 
@@ -205,7 +213,7 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
     return row
 
 
-def measure_titans_pytorch(B, T, H, D, chunk, compile_only, reps):
+def measure_titans_pytorch(B, T, H, D, chunk, compile_only, reps, batch_size=None):
     """titans-pytorch's NeuralMemory, imported without the package's __init__ (as ../shared/bench's
     anchors_gpu.py does: the package __init__ pulls in more than the memory needs)."""
     import types
@@ -221,8 +229,15 @@ def measure_titans_pytorch(B, T, H, D, chunk, compile_only, reps):
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    # TorchScript's GPU fuser fails to compile its kernel for assoc-scan's scripted operator on the
+    # H200 image (NVRTC: 'attribute "__global__" does not apply here') once that operator is called
+    # often enough to be fused (batch_size=chunk: a scan per chunk), so it runs unfused in both
+    # anchor entries (an elementwise multiply-add a scan step).
+    torch._C._jit_override_can_fuse_on_gpu(False)
+    torch._C._jit_set_texpr_fuser_enabled(False)
     row = {"dual_form": None, "device": torch.cuda.get_device_name() if cuda else "cpu"}
-    mem = NeuralMemory(dim=H * D, chunk_size=chunk, heads=H, dim_head=D).to(device)
+    mem = NeuralMemory(dim=H * D, chunk_size=chunk, heads=H, dim_head=D, batch_size=batch_size).to(device)
+    row["batch_size"] = batch_size
     x = torch.randn(B, T, H * D, device=device)
 
     def fwdbwd():
@@ -266,9 +281,10 @@ def worker(a):
     row = {"entry": a.worker, "form": "materialising" if a.reference else "auto (dual where covered)",
            "B": B, "T": T, "H": H, "D": D, "chunk": a.chunk, "impl": a.impl, "dtype": a.dtype}
     try:
-        if a.worker == TORCH_ENTRY:
+        if a.worker in TORCH_ENTRIES:
             row["form"] = "titans-pytorch"
-            row.update(measure_titans_pytorch(B, T, H, D, a.chunk, a.compile_only, a.reps))
+            batch_size = a.chunk if TORCH_ENTRIES[a.worker] == "chunk" else None
+            row.update(measure_titans_pytorch(B, T, H, D, a.chunk, a.compile_only, a.reps, batch_size))
         else:
             import_tree(a.root) if a.root else import_tree()
             import jax
@@ -335,7 +351,7 @@ def markdown(rows, header) -> str:
         elif r.get("dual_form") is False and form.startswith("auto"):
             form = "materialising"
         note = r.get("error", "") or ("non-finite outputs or gradients" if r.get("finite") is False else "")
-        impl, dtype = ("—", "bf16 autocast") if r["entry"] == TORCH_ENTRY else (r.get("impl", "chunk"),
+        impl, dtype = ("—", "bf16 autocast") if r["entry"] in TORCH_ENTRIES else (r.get("impl", "chunk"),
                                                                                  r.get("dtype", "float32"))
         lines.append(f"| {label} | {form} | {impl} | {dtype} | {r['B']}, {r['T']}, {r['H']}, {r['D']} | {r['chunk']} | "
                      f"{_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
@@ -346,7 +362,7 @@ def markdown(rows, header) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["titans", "omeganet", "atlas", "atlas_token", TORCH_ENTRY],
-                        choices=list(ENTRIES) + [TORCH_ENTRY])
+                        choices=list(ENTRIES) + list(TORCH_ENTRIES))
     parser.add_argument("--shape", type=shape_arg, default=None, help="B,T,H,D (default 4,4096,8,128)")
     parser.add_argument("--chunk", type=int, default=None, help="chunk size (default 64)")
     parser.add_argument("--tiny", action="store_true",
@@ -379,9 +395,9 @@ def main(argv=None):
     log(f"B{B} T{T} H{H} D{D} chunk {a.chunk}: {', '.join(a.presets)}")
     rows = []
     for name in a.presets:
-        variants = [(False, "chunk", "float32")] if name == TORCH_ENTRY else [
+        variants = [(False, "chunk", "float32")] if name in TORCH_ENTRIES else [
             (False, impl, dtype) for impl in a.impls for dtype in a.dtypes]
-        if a.reference and name != TORCH_ENTRY:
+        if a.reference and name not in TORCH_ENTRIES:
             variants.append((True, "chunk", "float32"))
         for reference, impl, dtype in variants:
             row = _run_entry(a, name, reference, impl, dtype)
