@@ -261,6 +261,27 @@ def test_processing_in_two_pieces_equals_whole(name):
         assert tree_rel(s2, s_whole) < 1e-5, form
 
 
+# Muon per chunk and the chunk-end maps (moneta, memora) carry a chunk-end state that differs
+# from the linear one; a sequence ending inside a chunk ends on a step a longer one reads mid-chunk
+@pytest.mark.parametrize("name,options", [("atlas", {"ns_every": "chunk"}), ("moneta", {}), ("memora", {})])
+@pytest.mark.parametrize("form", ["materialising", "dual_form"])
+def test_outputs_do_not_depend_on_what_follows(name, options, form):
+    """The chunk-start forms are causal: every prefix of a sequence (lengths on and off chunk
+    boundaries) gives the outputs the whole sequence gives at those tokens."""
+    from atlas_jax.forms import chunked
+    B, T, H, K, V = 1, 29, 2, 8, 8
+    spec = presets.get(name, hidden=16, **options)
+    q, k, v, kw = _knobs(spec, 3, B, T, H, K, V)
+    state0 = _state0(spec, jax.random.PRNGKey(4), B, H, K, V)
+    with getattr(chunked, form)():
+        whole, _ = spec(q, k, v, **kw, initial_state=state0, impl="chunk", chunk_size=8)
+        for length in (5, 16, 21):
+            prefix = lambda x: x[:, :length]
+            part, _ = spec(*map(prefix, (q, k, v)), **{key: prefix(x) for key, x in kw.items()},
+                           initial_state=state0, impl="chunk", chunk_size=8)
+            assert rel(part, whole[:, :length]) < 1e-6, length
+
+
 def test_optax_adam_inner_optimizer_matches_a_hand_computation():
     lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-8
     spec = aj.MemorySpec(memory=LinearMemory(), objective=obj.L2(), optimizer=optax.adam(lr, b1, b2, eps))

@@ -68,7 +68,8 @@ def reference(spec, state, q, k, v, *, beta, g, nu=None, window_gates=None, delt
 
     window_gates [T, c]: step t's weight of window positions t−c+1 … t (oldest first).
     chunk: None → every gradient at θ_{t−1} and the map every token; C → MIRAS' parallel schedule:
-    gradients at the chunk's starting θ₀, θ linear inside the chunk, the map at chunk ends.
+    gradients at the chunk's starting θ₀, θ linear inside the chunk, the map at chunk ends (every
+    C tokens; the state returned after a last, shorter chunk is mapped too).
     """
     memory, objective, retention = spec.memory, spec.objective, spec.retention
     info = opt.info(spec.optimizer)
@@ -104,12 +105,16 @@ def reference(spec, state, q, k, v, *, beta, g, nu=None, window_gates=None, delt
         alpha = jnp.exp(g[t])
         acc = jax.tree.map(jnp.add, _tree_scale(alpha, acc, axes), u)
         linear = jax.tree.map(jnp.add, _tree_scale(alpha, linear, axes), u)
-        chunk_end = chunk is None or (t + 1) % chunk == 0 or t + 1 == q.shape[0]
+        chunk_end = chunk is None or (t + 1) % chunk == 0
         if not retention.has_map:
             theta = acc
         else:
             theta = retention.map(acc) if chunk_end else linear
         outs.append(memory.apply(theta, phi(q[t])))
+    if retention.has_map and not chunk_end:
+        # A sequence that ends inside a chunk returns the chunk-end state after its last step; that
+        # step's read stays the linear one, which a longer sequence reads there too.
+        theta = retention.map(acc)
     return jnp.stack(outs), theta
 
 

@@ -447,19 +447,28 @@ def _materialising_sequence(spec, state: MemoryState, steps: Steps, *, chunk_siz
         else:
             acc, updates, new_opt_state = _scanned_steps(spec, grads, opt_state, base0, xc, windows, sq_norm,
                                                          channel_axes)
+        # The chunk-end state (Muon's orthogonalised step, a chunk-end map) is what the state
+        # carries from the chunk's last real step on, and what the chunk's last position reads.
+        # Reads before it read the linear state, also on a sequence's last step inside a chunk,
+        # which a longer sequence reads mid-chunk: an output must not depend on what follows.
+        reads_end = jnp.arange(b) == b - 1
+        pick = lambda mask, at_end, linear: jax.tree.map(
+            lambda e, w: jnp.where(mask.reshape((-1,) + (1,) * (e.ndim - 1)), e, w), at_end, linear)
+        read_acc = acc
         if opt_info.kind == "muon" and opt_info.ns_every == "chunk":
+            linear_acc = acc
             acc = _chunk_end_orthogonalized(spec, opt_info, base0, acc, new_opt_state.momentum, xc)
+            read_acc = pick(reads_end, acc, linear_acc)
         if not retention.has_map:
-            params = acc
+            params, read_params = acc, read_acc
         elif retention.map_at == "token":
-            params = jax.vmap(retention.map)(acc)
-        else:   # linear inside the chunk from θ₀, the map at its end (the last real step onwards)
+            params, read_params = jax.vmap(retention.map)(acc), jax.vmap(retention.map)(read_acc)
+        else:   # linear inside the chunk from θ₀, the map at its end
             linear = _retention_recurrence(spec, params0, updates, xc, channel_axes)
-            chunk_end = _last_real_step(xc.active)
             mapped = jax.vmap(retention.map)(acc)
-            params = jax.tree.map(lambda m, w: jnp.where(chunk_end.reshape((-1,) + (1,) * (m.ndim - 1)), m, w),
-                                  mapped, linear)
-        outputs = jax.vmap(memory.apply)(params, xc.queries)
+            params = pick(_last_real_step(xc.active), mapped, linear)
+            read_params = pick(reads_end, mapped, linear)
+        outputs = jax.vmap(memory.apply)(read_params, xc.queries)
 
         last_params, last_acc = jax.tree.map(lambda x: x[-1], (params, acc))
         new_win = None

@@ -325,8 +325,11 @@ def chunk_terms(spec, opt_info, features, xc: Steps, win: WindowCache | None, ra
     last = b - 1
     reads_end = jnp.zeros((b,), jnp.float32)
     if retention.has_map or opt_info.kind == "muon":
-        # The chunk-end state is not the linear one: from the last real step on, reads use it.
-        reads_end = 1.0 - jnp.concatenate([active[1:], jnp.zeros((1,), active.dtype)])
+        # The chunk-end state is not the linear one: the chunk's last step reads it. Only the
+        # last position: a sequence that ends inside a chunk ends on a real step that a longer
+        # sequence reads mid-chunk, and its output must not depend on what follows (the state
+        # returned there is still the chunk-end one, `chunk_end`).
+        reads_end = (jnp.arange(b) == last).astype(jnp.float32)
     return ChunkTerms(
         queries=queries, src_inputs=src_inputs, src_targets=src_targets, src_delta=src_delta,
         src_scale=src_scale, first_gram=first_gram, from_start=from_start,
