@@ -1,5 +1,6 @@
 """Generation: the cached decode (prefill through the chunked / kernel form, then the recurrent
-step) produces exactly the tokens of a full re-forward at every step; a pure memory model's decode
+step, or the chunk replay of the chunk-start memories) produces exactly the tokens and logits of a
+full re-forward at every step; a pure memory model's decode
 step has the same shapes and cost whatever the prompt length; the samplers."""
 from __future__ import annotations
 
@@ -28,18 +29,24 @@ def _reforward_greedy(model, prompt, new):
     return buffer[:, PROMPT:], steps
 
 
-# titans hybrids at chunk size 1, where their chunked (prefill / forward) form is the recurrence;
-# swa's window (16) is shorter than prompt + new tokens, so its ring buffer wraps.
+# The chunk-start memories (titans, atlas and the titans hybrids) decode by replaying the current
+# chunk: at chunk 8 the prompt of 20 leaves a chunk of 4 open and the 12 new tokens close two
+# (`MemoryLayer.decodes_by_chunk`); at chunk 4 the prompt ends on a boundary, at 32 it closes no
+# chunk (at chunk 1 their chunked form is the recurrence, which decodes as the delta family's
+# does). swa's window (16) is shorter than prompt + new tokens, so its ring buffer wraps.
 # gated_deltanet at V = K is slow-marked (the V = 2K case runs the same path) to keep `make test`
-# under 20 minutes
+# under 20 minutes.
 @pytest.mark.parametrize("name,overrides", [
     pytest.param("gated_deltanet", {"chunk_size": 8}, marks=pytest.mark.slow),
     ("gated_deltanet", {"chunk_size": 8, "expand_v": 2}),       # fla's GatedDeltaNet: V = 2K per head
-    ("titans", {"chunk_size": 1, "expand_v": 2}),
+    ("titans", {"chunk_size": 8, "expand_v": 2}),
+    ("titans", {"chunk_size": 4}),
+    ("titans", {"chunk_size": 32}),
+    ("atlas", {"chunk_size": 8}),
     ("transformer", {}),
     ("swa", {}),
-    ("titans_mag", {"chunk_size": 1}),
-    ("titans_mal", {"chunk_size": 1}),
+    ("titans_mag", {"chunk_size": 8}),
+    ("titans_mal", {"chunk_size": 8}),
 ])
 def test_cached_greedy_equals_reforward(name, overrides):
     model = build(name, "tiny", rngs=nnx.Rngs(0), **overrides)
@@ -57,10 +64,13 @@ def test_cached_greedy_equals_reforward(name, overrides):
         np.testing.assert_allclose(logits[:, 0], step_logits[i], rtol=1e-5, atol=1e-5)
 
 
-def test_decode_step_is_independent_of_prompt_length():
-    """gated_deltanet: the cache after a prompt of 8 and of 40 tokens has the same shapes, and the
-    compiled decode step is the same program with the same cost."""
-    model = build("gated_deltanet", "tiny", rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("name,overrides", [("gated_deltanet", {}), ("titans", {"chunk_size": 16})])
+def test_decode_step_is_independent_of_prompt_length(name, overrides):
+    """The cache after a prompt of 8 and of 40 tokens has the same shapes, and the compiled decode
+    step is the same program with the same cost: the recurrent step (gated_deltanet), and the
+    chunk replay of a chunk-start memory (titans: its state at the chunk's start and the chunk's
+    inputs so far)."""
+    model = build(name, "tiny", rngs=nnx.Rngs(0), **overrides)
     graphdef, state = nnx.split(model)
     step = decode_step_fn(graphdef)
     lowered, shapes = [], []

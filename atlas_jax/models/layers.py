@@ -752,14 +752,26 @@ class MemoryLayer(nnx.Module):
     def can_decode(self) -> bool:
         return not isinstance(self.spec, ClosedForm)
 
+    @property
+    def decodes_by_chunk(self) -> bool:
+        """Whether decoding replays the current chunk rather than stepping the recurrence: the
+        layer's forward takes every gradient of a chunk at the chunk's start θ (the chunk-start
+        form of titans, atlas, the MIRAS memories, …), which a token-by-token recurrence does not
+        compute. The exact families' chunked form is their recurrence, and so is any form at chunk 1."""
+        return (self.can_decode and not self.spec.chunked_is_exact and self.impl != "recurrent"
+                and self.chunk_size > 1)
+
     def prefill(self, x, max_len: int):
         if not self.can_decode:
             raise NotImplementedError(f"{self.spec.name}: a closed form keeps no recurrent state; "
                                       "generate re-runs the whole sequence instead")
         raw = self._projections(x)
         q, k, v, knobs = self._inputs(x, raw=raw)
-        o, state = self._run(q, k, v, knobs, impl=self.impl, output_final_state=True)
-        cache = {"memory": state}
+        if self.decodes_by_chunk:
+            o, cache = self._prefill_by_chunk(q, k, v, knobs)
+        else:
+            o, state = self._run(q, k, v, knobs, impl=self.impl, output_final_state=True)
+            cache = {"memory": state}
         if self.conv is not None:
             tail = self.conv.size - 1
             cache["conv"] = self.conv.history(jnp.concatenate([r[:, max(r.shape[1] - tail, 0):] for r in raw], axis=-1))
@@ -772,7 +784,62 @@ class MemoryLayer(nnx.Module):
             out, new_cache["conv"] = self.conv.step(jnp.concatenate(raw, axis=-1), cache["conv"])
             edges = list(itertools.accumulate(r.shape[-1] for r in raw))[:-1]
             raw = jnp.split(out, edges, axis=-1)
+        if self.decodes_by_chunk:
+            q, k, v, knobs = self._split(*raw, x)
+            o, chunk_cache = self._decode_by_chunk(q, k, v, knobs, cache, pos)
+            return self._out(o, x), {**new_cache, **chunk_cache}
         q, k, v, knobs = self._split(*raw, x, impl="recurrent")
         o, new_cache["memory"] = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
                                            output_final_state=True)
         return self._out(o, x), new_cache
+
+    # -- decoding a chunk-start form -------------------------------------------------------------
+    # The cache keeps the state at the current chunk's start ("memory") and the chunk's inputs so
+    # far ("chunk": q, k, v and the knobs, [B, chunk_size, ...]; chunks start at multiples of
+    # chunk_size from the prompt's first token, as in the forward). A decode step writes its token
+    # at slot pos mod chunk_size and runs the chunk form on the whole buffer from the chunk's start
+    # state: the slots after the token hold other real tokens (the chunk before's, or the prompt's
+    # last repeated), which only later reads see, so the token's output is the forward's. Once the
+    # slot is the chunk's last, every slot is this chunk's and the call's final state is the next
+    # chunk's start. A step costs one chunk's forward, whatever the context.
+    def _chunk_start_state(self, q, v):
+        batch, _, heads, d = q.shape
+        params = self.theta0()
+        if params is None:    # a linear memory: the core's zero state
+            params = {"S": jnp.zeros((self.spec.feature_dim(d), v.shape[-1]), jnp.float32)}
+        return self.spec.init_state(None, batch=batch, heads=heads, d_k=d, d_v=v.shape[-1], params=params)
+
+    def _prefill_by_chunk(self, q, k, v, knobs):
+        """The prompt's outputs, and the cache at its last chunk boundary A: the prompt's first A
+        tokens (whole chunks) give the state, the rest run from it into the chunk buffer."""
+        size, length = self.chunk_size, q.shape[1]
+        start = length // size * size
+        inputs = {"q": q, "k": k, "v": v, "knobs": knobs}
+        part = lambda lo, hi: jax.tree.map(lambda y: y[:, lo:hi], inputs)
+        outputs, state = [], self._chunk_start_state(q, v)
+        if start > 0:
+            head = part(0, start)
+            o, state = self._run(head["q"], head["k"], head["v"], head["knobs"], impl=self.impl,
+                                 initial_state=state, output_final_state=True)
+            outputs.append(o)
+        if start < length:
+            tail = part(start, length)
+            outputs.append(self._run(tail["q"], tail["k"], tail["v"], tail["knobs"], impl=self.impl,
+                                     initial_state=state)[0])
+        so_far = part(start, length) if start < length else part(length - 1, length)
+
+        def buffer(y):   # the open chunk's tokens, then its last token repeated (or the prompt's last)
+            fill = jnp.repeat(y[:, -1:], size - (length - start), axis=1)
+            return jnp.concatenate([y, fill], axis=1) if start < length else jnp.repeat(y, size, axis=1)
+        return jnp.concatenate(outputs, axis=1), {"memory": state, "chunk": jax.tree.map(buffer, so_far)}
+
+    def _decode_by_chunk(self, q, k, v, knobs, cache, pos):
+        size = self.chunk_size
+        slot = jnp.asarray(pos, jnp.int32) % size
+        put = lambda buf, y: jax.lax.dynamic_update_slice_in_dim(buf, y.astype(buf.dtype), slot, axis=1)
+        chunk = jax.tree.map(put, cache["chunk"], {"q": q, "k": k, "v": v, "knobs": knobs})
+        o, end = self._run(chunk["q"], chunk["k"], chunk["v"], chunk["knobs"], impl=self.impl,
+                           initial_state=cache["memory"], output_final_state=True)
+        last = slot == size - 1
+        state = jax.tree.map(lambda e, s: jnp.where(last, e, s), end, cache["memory"])
+        return jax.lax.dynamic_slice_in_dim(o, slot, 1, axis=1), {"memory": state, "chunk": chunk}
