@@ -8,21 +8,63 @@ generation ran before the chunk-start memories decoded by chunk), for comparison
 
     python benchmarks/decode_agreement.py --run runs/demo/atlas                 # after `make run`
     python benchmarks/decode_agreement.py --run runs/demo/atlas --decode recurrent
+
+`agreement` is the loop, which `decode_check_gpu.py` runs on a GPU too.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from atlas_jax.models import layers
-from atlas_jax.models.generation import decode_step_fn, prefill_fn
-from atlas_jax.train.trainer import load_run
-
 CORPUS = pathlib.Path(__file__).resolve().parents[1] / "train" / "data" / "shakespeare.txt"
+
+
+@contextlib.contextmanager
+def recurrent_decode():
+    """Every memory layer decodes on the token-by-token recurrence (generation before the
+    chunk-start memories decoded by chunk)."""
+    from atlas_jax.models import layers
+    by_chunk = layers.MemoryLayer.decodes_by_chunk
+    layers.MemoryLayer.decodes_by_chunk = property(lambda self: False)
+    try:
+        yield
+    finally:
+        layers.MemoryLayer.decodes_by_chunk = by_chunk
+
+
+def agreement(model, prompt, new: int) -> dict:
+    """Greedy decode of ``new`` tokens after ``prompt`` [B, P]; each step's logits against the
+    forward's over the whole buffer: the largest |difference|, the largest |logit|, how many argmax
+    agree (of B·(new − 1)) and the median time of a decode step (ms, after two warm-up steps)."""
+    from atlas_jax.models.generation import decode_step_fn, prefill_fn
+    P = prompt.shape[1]
+    graphdef, state = nnx.split(model)
+    forward = nnx.jit(lambda m, t: m(t))
+    logits, cache = prefill_fn(graphdef, P + new)(state, prompt)
+    step = decode_step_fn(graphdef)
+    buffer = jnp.pad(prompt, ((0, 0), (0, new)))
+    token = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    worst, scale, agree, times = 0.0, 0.0, 0, []
+    for i in range(new - 1):
+        buffer = buffer.at[:, P + i].set(token)
+        reference = forward(model, buffer)[:, P + i].astype(jnp.float32)
+        start = time.perf_counter()
+        logits, cache = step(state, token[:, None], cache, jnp.int32(P + i))
+        logits = jax.block_until_ready(logits)[:, 0].astype(jnp.float32)
+        times.append(time.perf_counter() - start)
+        worst = max(worst, float(jnp.abs(logits - reference).max()))
+        scale = max(scale, float(jnp.abs(reference).max()))
+        agree += int(jnp.sum(jnp.argmax(logits, -1) == jnp.argmax(reference, -1)))
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+    times = sorted(times[2:]) or [float("nan")]
+    return {"max_abs_diff": worst, "max_abs_logit": scale, "argmax_agree": f"{agree}/{prompt.shape[0] * (new - 1)}",
+            "step_ms_median": 1e3 * times[len(times) // 2]}
 
 
 def main():
@@ -34,28 +76,15 @@ def main():
     ap.add_argument("--decode", choices=["model", "recurrent"], default="model",
                     help="model: as generation decodes; recurrent: the recurrence on every memory layer")
     a = ap.parse_args()
-    if a.decode == "recurrent":
-        layers.MemoryLayer.decodes_by_chunk = property(lambda self: False)
+    from atlas_jax.train.trainer import load_run
     model, tokenizer, step = load_run(a.run)
     text = CORPUS.read_text()[a.offset:a.offset + 40 * a.prompt_tokens]
     prompt = jnp.asarray(tokenizer.encode(text)[:a.prompt_tokens], jnp.int32)[None]
-    P, new = prompt.shape[1], a.new_tokens
-    graphdef, state = nnx.split(model)
-    forward = nnx.jit(lambda m, t: m(t))
-    logits, cache = prefill_fn(graphdef, P + new)(state, prompt)
-    step_fn = decode_step_fn(graphdef)
-    buffer = jnp.pad(prompt, ((0, 0), (0, new)))
-    token = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-    worst, agree = 0.0, 0
-    for i in range(new - 1):
-        buffer = buffer.at[:, P + i].set(token)
-        reference = forward(model, buffer)[:, P + i]
-        logits, cache = step_fn(state, token[:, None], cache, jnp.int32(P + i))
-        worst = max(worst, float(jnp.abs(logits[:, 0] - reference).max()))
-        agree += int(jnp.argmax(logits[:, 0], -1)[0] == jnp.argmax(reference, -1)[0])
-        token = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-    print(f"{a.run} (step {step}), decode {a.decode}: prompt {P} tokens, {new - 1} decode steps; largest "
-          f"|decode logit - forward logit| {worst:.3e}; greedy argmax agrees at {agree}/{new - 1}")
+    with recurrent_decode() if a.decode == "recurrent" else contextlib.nullcontext():
+        row = agreement(model, prompt, a.new_tokens)
+    print(f"{a.run} (step {step}), decode {a.decode}: prompt {prompt.shape[1]} tokens, {a.new_tokens - 1} decode "
+          f"steps; largest |decode logit - forward logit| {row['max_abs_diff']:.3e}; greedy argmax agrees at "
+          f"{row['argmax_agree']}")
 
 
 if __name__ == "__main__":

@@ -802,13 +802,6 @@ class MemoryLayer(nnx.Module):
     # last repeated), which only later reads see, so the token's output is the forward's. Once the
     # slot is the chunk's last, every slot is this chunk's and the call's final state is the next
     # chunk's start. A step costs one chunk's forward, whatever the context.
-    def _chunk_start_state(self, q, v):
-        batch, _, heads, d = q.shape
-        params = self.theta0()
-        if params is None:    # a linear memory: the core's zero state
-            params = {"S": jnp.zeros((self.spec.feature_dim(d), v.shape[-1]), jnp.float32)}
-        return self.spec.init_state(None, batch=batch, heads=heads, d_k=d, d_v=v.shape[-1], params=params)
-
     def _prefill_by_chunk(self, q, k, v, knobs):
         """The prompt's outputs, and the cache at its last chunk boundary A: the prompt's first A
         tokens (whole chunks) give the state, the rest run from it into the chunk buffer."""
@@ -816,17 +809,18 @@ class MemoryLayer(nnx.Module):
         start = length // size * size
         inputs = {"q": q, "k": k, "v": v, "knobs": knobs}
         part = lambda lo, hi: jax.tree.map(lambda y: y[:, lo:hi], inputs)
-        outputs, state = [], self._chunk_start_state(q, v)
+        # θ_0 as the MemoryState the core makes of it (the cache's memory is always one)
+        batch, _, heads, d = q.shape
+        outputs, state = [], self.spec._coerce_state(self.theta0(), batch, heads, d, v.shape[-1])
         if start > 0:
             head = part(0, start)
             o, state = self._run(head["q"], head["k"], head["v"], head["knobs"], impl=self.impl,
                                  initial_state=state, output_final_state=True)
             outputs.append(o)
-        if start < length:
-            tail = part(start, length)
-            outputs.append(self._run(tail["q"], tail["k"], tail["v"], tail["knobs"], impl=self.impl,
-                                     initial_state=state)[0])
         so_far = part(start, length) if start < length else part(length - 1, length)
+        if start < length:
+            outputs.append(self._run(so_far["q"], so_far["k"], so_far["v"], so_far["knobs"], impl=self.impl,
+                                     initial_state=state)[0])
 
         def buffer(y):   # the open chunk's tokens, then its last token repeated (or the prompt's last)
             fill = jnp.repeat(y[:, -1:], size - (length - start), axis=1)
