@@ -63,6 +63,9 @@ ENTRIES = {   # entry name -> (preset, preset options, what the table says)
 TORCH_ENTRY = "titans_pytorch"
 # titans-pytorch entry -> its NeuralMemory's batch_size (None: its default; "chunk": the chunk size)
 TORCH_ENTRIES = {TORCH_ENTRY: None, "titans_pytorch_every_chunk": "chunk"}
+# our titans-pytorch-schedule entries (`ops.deep_memory.chunk_step_memory`) -> its segment (None: the
+# whole sequence, as titans-pytorch's default; "chunk": the chunk size, as its batch_size=chunk)
+CHUNK_STEP_ENTRIES = {"titans_chunk_steps": None, "titans_chunk_steps_every_chunk": "chunk"}
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
 SLOW_CALL_S = 2.0
 
@@ -264,6 +267,71 @@ def measure_titans_pytorch(B, T, H, D, chunk, compile_only, reps, batch_size=Non
     return row
 
 
+def chunk_step_inputs(B, T, H, D, chunk, seed=0, dtype="float32"):
+    """titans-pytorch's memory as our op takes it: the memory model's ResidualNorm(MemoryMLP) as
+    MLPMemory(2, residual, LN) (its LN gain left out), step sizes at titans-pytorch's scale."""
+    import jax
+    import jax.numpy as jnp
+    from atlas_jax.memory import MLPMemory
+    memory = MLPMemory(2, 4 * D, activation="gelu", residual=True, layernorm=True)
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q, k = unit(jax.random.normal(ks[0], (B, T, H, D))), unit(jax.random.normal(ks[1], (B, T, H, D)))
+    v = jax.random.normal(ks[2], (B, T, H, D))
+    N = T // chunk
+    # titans-pytorch: lr = sigmoid(·) on the channel-mean loss, i.e. β = 2 lr / D on ½‖·‖²
+    beta = 2.0 / D * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    nu = jax.nn.sigmoid(jax.random.normal(ks[4], (B, N, H)))
+    g = jax.nn.log_sigmoid(2.0 + jax.random.normal(ks[5], (B, N, H)))
+    params = jax.vmap(lambda kk: memory.init(kk, D, D))(jax.random.split(ks[6], H))
+    cotangent = jax.random.normal(ks[7], (B, T, H, D))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    return memory, (q, k, v, beta, nu, g, params), cotangent.astype(dtype)
+
+
+def measure_chunk_steps(B, T, H, D, chunk, compile_only, reps, segment=None, dtype="float32", trace_dir=None):
+    """Our op on titans-pytorch's schedule: jax.vjp with respect to every input and θ_0."""
+    import jax
+    from atlas_jax.ops.deep_memory import chunk_step_memory
+
+    memory, args, cotangent = chunk_step_inputs(B, T, H, D, chunk, dtype=dtype)
+    forward = lambda *a: chunk_step_memory(*a, memory=memory, chunk_size=chunk, segment=segment)[0]
+
+    @jax.jit
+    def fwdbwd(args, cotangent):
+        out, pullback = jax.vjp(forward, *args)
+        return out, pullback(cotangent)
+
+    row = {"dual_form": None, "segment": segment}
+    t = time.perf_counter()
+    compiled = fwdbwd.lower(args, cotangent).compile()
+    row["compile_s"] = time.perf_counter() - t
+    count = flops.dot_flops(fwdbwd, args, cotangent)
+    row["dot_tflop"] = count.flops / 1e12
+    row["compiled_total_GiB"] = compiled_total_gib(compiled)
+    if compile_only:
+        return row
+    row["fwd_ms"] = time_jax(jax.jit(forward), *args, reps=reps)
+    result = jax.block_until_ready(compiled(args, cotangent))
+    row["finite"] = all_finite(result)
+    ms = time_jax(compiled, args, cotangent, reps=reps)
+    row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
+    if count.complete:
+        row["tflops"] = count.flops / (ms / 1e3) / 1e12
+        peak = flops.peak_tflops(jax.devices()[0].device_kind, count)
+        if peak:
+            row["peak_tflops"], row["of_peak"] = peak, row["tflops"] / peak
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        kernels, total, _ = trace_kernels(lambda: jax.block_until_ready(compiled(args, cotangent)), trace_dir)
+        row["trace_total_ms"] = total
+        row["trace_top"] = [(name[:90], round(ms, 3), count) for name, ms, count in kernels]
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        row["peak_GiB"] = stats["peak_bytes_in_use"] / 2 ** 30
+    return row
+
+
 def _steps(spec, args):
     """One (sequence, head)'s steps, only for asking whether the dual form covers the call."""
     import jax.numpy as jnp
@@ -285,6 +353,13 @@ def worker(a):
             row["form"] = "titans-pytorch"
             batch_size = a.chunk if TORCH_ENTRIES[a.worker] == "chunk" else None
             row.update(measure_titans_pytorch(B, T, H, D, a.chunk, a.compile_only, a.reps, batch_size))
+        elif a.worker in CHUNK_STEP_ENTRIES:
+            import_tree(a.root) if a.root else import_tree()
+            import jax
+            row["device"], row["form"] = jax.devices()[0].device_kind, "chunk steps (titans-pytorch's schedule)"
+            segment = a.chunk if CHUNK_STEP_ENTRIES[a.worker] == "chunk" else None
+            trace_dir = None if not a.trace else os.path.join(a.trace, f"{a.worker}_{a.dtype}")
+            row.update(measure_chunk_steps(B, T, H, D, a.chunk, a.compile_only, a.reps, segment, a.dtype, trace_dir))
         else:
             import_tree(a.root) if a.root else import_tree()
             import jax
@@ -362,7 +437,7 @@ def markdown(rows, header) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["titans", "omeganet", "atlas", "atlas_token", TORCH_ENTRY],
-                        choices=list(ENTRIES) + list(TORCH_ENTRIES))
+                        choices=list(ENTRIES) + list(TORCH_ENTRIES) + list(CHUNK_STEP_ENTRIES))
     parser.add_argument("--shape", type=shape_arg, default=None, help="B,T,H,D (default 4,4096,8,128)")
     parser.add_argument("--chunk", type=int, default=None, help="chunk size (default 64)")
     parser.add_argument("--tiny", action="store_true",
@@ -396,8 +471,9 @@ def main(argv=None):
     rows = []
     for name in a.presets:
         variants = [(False, "chunk", "float32")] if name in TORCH_ENTRIES else [
+            (False, "chunk", dtype) for dtype in a.dtypes] if name in CHUNK_STEP_ENTRIES else [
             (False, impl, dtype) for impl in a.impls for dtype in a.dtypes]
-        if a.reference and name not in TORCH_ENTRIES:
+        if a.reference and name in ENTRIES:
             variants.append((True, "chunk", "float32"))
         for reference, impl, dtype in variants:
             row = _run_entry(a, name, reference, impl, dtype)

@@ -8,7 +8,8 @@ weight. impl="chunk" is a lax.scan in XLA (the reference); impl="pallas" the Pal
 operands (the chunk-parallel coefficients) and reads every chunk from the states it returns;
 `mlp_reads` is those reads for this memory (reference and GPU kernel). `dual_chain_reference` is
 the chain of a super-chunk for a depth-2 MLP memory whose first layer reads a wide input (φ of
-omeganet, dla), which the dual form runs between its products with θ.
+omeganet, dla), which the dual form runs between its products with θ. `chunk_step_memory` is
+titans-pytorch's schedule (one step per chunk, gradients at a segment's start, lagged reads).
 """
 
 from atlas_jax.ops.deep_memory.state_pass import (
@@ -22,10 +23,11 @@ from atlas_jax.ops.deep_memory.state_pass import (
     mlp_state_pass,
     mlp_state_pass_reference,
 )
+from atlas_jax.ops.deep_memory.chunk_steps import ChunkStepState, chunk_step_memory
 from atlas_jax.ops.deep_memory.dual_chain import ChainOutputs, chain_weights, dual_chain_reference
 from atlas_jax.ops.deep_memory.reads import (mlp_chunk_read, mlp_reads, mlp_reads_reference,
                                               mlp_state_pass_and_reads)
 
-__all__ = ["ChainOutputs", "IMPLS", "MLPSources", "MLPStates", "chain_weights", "dual_chain_reference", "kernel_covers",
+__all__ = ["ChainOutputs", "ChunkStepState", "chunk_step_memory", "IMPLS", "MLPSources", "MLPStates", "chain_weights", "dual_chain_reference", "kernel_covers",
            "mlp_chunk_read", "mlp_chunk_sources", "mlp_chunk_step", "mlp_reads", "mlp_reads_reference",
            "mlp_sources_from_starts", "mlp_state_pass", "mlp_state_pass_and_reads", "mlp_state_pass_reference"]

@@ -1,0 +1,147 @@
+"""ops.deep_memory.chunk_step_memory (titans-pytorch's schedule): the segment-parallel form against
+the per-chunk reference, float32, outputs, final states and every gradient; bf16 operands; what
+the schedule reads; a closed form; bad input. The op against titans-pytorch itself is
+benchmarks/titans_pytorch_parity.py (needs torch)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from atlas_jax.memory import LinearMemory, MLPMemory
+from atlas_jax.ops.deep_memory import chunk_step_memory
+
+MLP = MLPMemory(2, 12)
+
+
+def make(B, T, H, D, Dv, C, memory=MLP, seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    q, k = (jax.random.normal(ks[i], (B, T, H, D)) / np.sqrt(D) for i in (0, 1))
+    v = jax.random.normal(ks[2], (B, T, H, Dv))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    N = T // C
+    nu = jax.nn.sigmoid(jax.random.normal(ks[4], (B, N, H)))
+    g = jax.nn.log_sigmoid(1.0 + 2.0 * jax.random.normal(ks[5], (B, N, H)))    # α from ~0.05 to ~1
+    params = jax.vmap(lambda kk: memory.init(kk, D, Dv))(jax.random.split(ks[6], H))
+    momentum = jax.tree.map(lambda x: 0.1 * jax.random.normal(ks[7], (B,) + x.shape), params)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    return (q, k, v, beta, nu, g, params, momentum)
+
+
+def run(args, C, segment, impl, memory=MLP, final=True):
+    return chunk_step_memory(*args, memory=memory, chunk_size=C, segment=segment, impl=impl,
+                             output_final_state=final)
+
+
+def rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+
+
+# (B, T, H, D, Dv, C, segment): odd T (a tail read, not written), one gradient point or several,
+# segments that do not divide the chunks, one chunk, Dv != D (the residual-free MLP maps D -> Dv)
+CASES = [(2, 19, 2, 8, 8, 4, None), (1, 24, 3, 8, 8, 4, 8), (2, 21, 2, 8, 6, 4, 12), (1, 16, 1, 4, 4, 4, 4),
+         (1, 9, 2, 8, 8, 8, None)]
+
+
+@pytest.mark.parametrize("B,T,H,D,Dv,C,segment", CASES)
+def test_parallel_form_equals_reference(B, T, H, D, Dv, C, segment):
+    # float32 both ways; the forms sum the same products in another order: 1e-5 relative
+    args = make(B, T, H, D, Dv, C)
+    whole = T % C == 0
+    (o_ref, s_ref), (o, s) = run(args, C, segment, "recurrent", final=whole), run(args, C, segment, "chunk", final=whole)
+    assert rel(o, o_ref) < 1e-5
+    if whole:
+        for x, y in zip(jax.tree.leaves(s), jax.tree.leaves(s_ref)):
+            assert rel(x, y) < 1e-5
+    ct = jax.random.normal(jax.random.PRNGKey(7), o.shape)
+    # cotangents on the outputs and, where there is one, the final weights and momentum
+    state_ct = lambda s: 0.0 if s is None else sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(s))
+    loss = lambda impl: lambda a: jnp.sum(run(a, C, segment, impl, final=whole)[0] * ct) + state_ct(
+        run(a, C, segment, impl, final=whole)[1])
+    g_ref, g = jax.grad(loss("recurrent"))(args), jax.grad(loss("chunk"))(args)
+    for path, x, y in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        assert rel(x, y) < 1e-5, jax.tree_util.keystr(path[0])
+        assert float(jnp.max(jnp.abs(y))) > 0, jax.tree_util.keystr(path[0])
+
+
+@pytest.mark.parametrize("segment", [None, 6])
+def test_blocks_of_chunks(monkeypatch, segment):
+    # the recurrence over chunks runs in blocks (64 chunks on real inputs); blocks of 2 here, so
+    # that 11 chunks make a scan over whole blocks and a rest, within one segment or several
+    from atlas_jax.ops.deep_memory import chunk_steps
+    monkeypatch.setattr(chunk_steps, "BLOCK", 2)
+    jax.clear_caches()
+    args = make(1, 23, 2, 4, 4, 2)
+    o_ref, _ = run(args, 2, segment, "recurrent", final=False)
+    o, _ = run(args, 2, segment, "chunk", final=False)
+    assert rel(o, o_ref) < 1e-5
+    ct = jax.random.normal(jax.random.PRNGKey(1), o.shape)
+    g_ref = jax.grad(lambda a: jnp.sum(run(a, 2, segment, "recurrent", final=False)[0] * ct))(args)
+    g = jax.grad(lambda a: jnp.sum(run(a, 2, segment, "chunk", final=False)[0] * ct))(args)
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        assert rel(x, y) < 1e-5
+    jax.clear_caches()
+
+
+def test_bf16_operands():
+    # bf16 q, k, v (products in bf16, states float32) against the float32 reference: 1e-2 relative
+    args32 = make(2, 37, 2, 16, 16, 8)
+    args16 = tuple(x.astype(jnp.bfloat16) for x in args32[:3]) + args32[3:]
+    o_ref, _ = run(args32, 8, None, "recurrent", final=False)
+    o, _ = run(args16, 8, None, "chunk", final=False)
+    assert o.dtype == jnp.bfloat16
+    assert rel(o.astype(jnp.float32), o_ref) < 2e-2
+
+
+def test_reads_are_causal_and_lag_a_chunk():
+    B, T, H, D, C = 1, 20, 2, 8, 4
+    args = make(B, T, H, D, D, C)
+    q, k, v = args[:3]
+    o, _ = run(args, C, None, "chunk", final=False)
+    for t in (2, 3, 9, 15):
+        later = (q, k.at[:, t + 1:].add(1.0), v.at[:, t + 1:].add(1.0)) + args[3:]
+        o2, _ = run(later, C, None, "chunk", final=False)
+        assert float(jnp.max(jnp.abs(o2[:, :t + 1] - o[:, :t + 1]))) == 0.0
+    # a chunk's tokens but its last read the weights before the chunk: changing chunk 1's keys
+    # leaves its first three reads alone and moves its last one
+    moved = (q, k.at[:, 4:8].add(1.0), v) + args[3:]
+    o3, _ = run(moved, C, None, "chunk", final=False)
+    assert float(jnp.max(jnp.abs(o3[:, 4:7] - o[:, 4:7]))) == 0.0
+    assert float(jnp.max(jnp.abs(o3[:, 7] - o[:, 7]))) > 1e-3
+
+
+def test_linear_memory_closed_form():
+    # Linear memory θ = S, one segment, no momentum carry (η = 0), no decay (α = 1): every chunk's
+    # gradient is taken at S_0, so S_N = S_0 − Σ_t β_t k_t (S_0ᵀ k_t − v_t)ᵀ over the written tokens
+    B, T, H, D, C = 2, 14, 2, 4, 4
+    q, k, v, beta, nu, g, _, _ = make(B, T, H, D, D, C, memory=LinearMemory())
+    S0 = jax.random.normal(jax.random.PRNGKey(3), (H, D, D))
+    nu, g = jnp.zeros_like(nu), jnp.zeros_like(g)
+    written = (T // C) * C
+    _, state = chunk_step_memory(q[:, :written], k[:, :written], v[:, :written], beta[:, :written], nu, g,
+                                 {"S": S0}, memory=LinearMemory(), chunk_size=C, output_final_state=True)
+    err = jnp.einsum("BTHK,HKV->BTHV", k[:, :written], S0) - v[:, :written]
+    expected = S0 - jnp.einsum("BTH,BTHK,BTHV->BHKV", beta[:, :written], k[:, :written], err)
+    assert rel(state.params["S"], expected) < 1e-5
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {"nu": a["nu"][:, :-1]}, "nu holds one gate per complete chunk"),
+    (lambda a: {"beta": a["beta"][:, :-1]}, "beta (the per-token step size) must be"),
+    (lambda a: {"segment": 6}, "segment must be None"),
+    (lambda a: {"chunk_size": 32}, "holds no complete chunk"),
+    (lambda a: {"final": True}, "is not a multiple of chunk_size"),
+    (lambda a: {"params": {"W0": a["params"]["W0"][:, :3]}}, "params must have the leaves"),
+    (lambda a: {"params": {"W0": a["params"]["W0"][:, :3], "W1": a["params"]["W1"]}}, "params['W0'] must be"),
+    (lambda a: {"impl": "pallas"}, "impl must be one of"),
+])
+def test_bad_input_names_the_argument(change, message):
+    q, k, v, beta, nu, g, params, _ = make(1, 18, 2, 8, 8, 4)     # 4 chunks and 2 tokens
+    a = dict(q=q, k=k, v=v, beta=beta, nu=nu, g=g, params=params, segment=None, chunk_size=4, final=False,
+             impl="chunk")
+    a.update(change(a))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        chunk_step_memory(a["q"], a["k"], a["v"], a["beta"], a["nu"], a["g"], a["params"], memory=MLP,
+                          chunk_size=a["chunk_size"], segment=a["segment"], impl=a["impl"],
+                          output_final_state=a["final"])
