@@ -14,7 +14,10 @@ form, O(chunk·|θ|) per sequence and head — it may run out of memory or take 
 titans_pytorch (``NeuralMemory(dim=H·D, heads=H, dim_head=D, chunk_size=chunk)``, bf16 autocast on
 GPU, projections included, forward+backward of its output's sum; needs torch and titans-pytorch,
 e.g. from ../shared/bench's wheels) and titans_pytorch_every_chunk (the same with
-``batch_size=chunk``). With its default ``batch_size=None`` titans-pytorch takes every chunk's
+``batch_size=chunk``), and our op on titans-pytorch's schedule: titans_chunk_steps and
+titans_chunk_steps_every_chunk (`ops.deep_memory.chunk_step_memory` with ``segment`` None and =
+chunk, its memory MLPMemory(2, 4·D, residual, LayerNorm) as titans-pytorch's ResidualNorm(MemoryMLP)
+without the norm's gain). With its default ``batch_size=None`` titans-pytorch takes every chunk's
 gradients at the sequence's initial weights (one batched call, no chain from chunk to chunk) and
 applies momentum and decay per chunk; ``batch_size=chunk`` takes each chunk's gradients at the
 weights after the chunk before, the chunk-start point our titans preset uses (Titans §3.2 with
