@@ -152,6 +152,18 @@ def _is_oom(error) -> bool:
     return any(word in text for word in ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory"))
 
 
+def _rates(row, count, ms, tokens):
+    """A forward+backward's time into ``row``: ms, tokens/s, and the matmul TFLOP/s with its share
+    of the device's peak where every product was counted."""
+    import jax
+    row.update({"fwd_bwd_ms": ms, "tokens_per_s": tokens / (ms / 1e3)})
+    if count.complete:
+        row["tflops"] = count.flops / (ms / 1e3) / 1e12
+        peak = flops.peak_tflops(jax.devices()[0].device_kind, count)
+        if peak:
+            row["peak_tflops"], row["of_peak"] = peak, row["tflops"] / peak
+
+
 def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtype="float32", trace_dir=None):
     """Compiles (and unless ``compile_only`` times) one entry's forward+backward, and its forward."""
     import jax
@@ -197,12 +209,7 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
             ms = (time.perf_counter() - t) / 2 * 1e3
         else:
             ms = time_jax(compiled, *args, reps=reps)
-        row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
-        if count.complete:
-            row["tflops"] = count.flops / (ms / 1e3) / 1e12
-            peak = flops.peak_tflops(jax.devices()[0].device_kind, count)
-            if peak:
-                row["peak_tflops"], row["of_peak"] = peak, row["tflops"] / peak
+        _rates(row, count, ms, B * T)
         if trace_dir:   # where the time goes: device kernels summed by name and by the dual form's part
             from atlas_jax.forms.dual import SCOPES
             os.makedirs(trace_dir, exist_ok=True)   # the optimized HLO: what the trace's fusion names are
@@ -318,12 +325,7 @@ def measure_chunk_steps(B, T, H, D, chunk, compile_only, reps, segment=None, dty
     result = jax.block_until_ready(compiled(args, cotangent))
     row["finite"] = all_finite(result)
     ms = time_jax(compiled, args, cotangent, reps=reps)
-    row.update({"fwd_bwd_ms": ms, "tokens_per_s": B * T / (ms / 1e3)})
-    if count.complete:
-        row["tflops"] = count.flops / (ms / 1e3) / 1e12
-        peak = flops.peak_tflops(jax.devices()[0].device_kind, count)
-        if peak:
-            row["peak_tflops"], row["of_peak"] = peak, row["tflops"] / peak
+    _rates(row, count, ms, B * T)
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         kernels, total, _ = trace_kernels(lambda: jax.block_until_ready(compiled(args, cotangent)), trace_dir)
