@@ -17,7 +17,9 @@ its chunks share one gradient point θ_s, the weights after the segment before.
   two linear scans over chunks, the reads one batched call. This is a much cheaper computation
   than the ``titans`` preset's, where each chunk's gradients are taken at the chunk's own start.
 - ``segment=C`` (``batch_size=C``) takes each chunk's gradients at the weights after the chunk
-  before, a chain of T/C steps.
+  before, a chain of T/C steps. The chain amplifies perturbations: at B1 T4096 H8 D128 a relative
+  perturbation of v moved the last output ~45× as far as without the chain. So bf16 q, k, v end
+  up ~0.2 relative from float32 there (a float32 call agrees with the reference at 5e-6).
 
 Tokens after the last complete chunk are read (with the weights after the last chunk) and not
 written: titans-pytorch keeps them for its next call. The final state is therefore only returned
