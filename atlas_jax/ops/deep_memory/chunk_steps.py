@@ -14,7 +14,7 @@ weights after its own chunk (r = −1 reads θ_0). A segment is ``segment`` toke
 its chunks share one gradient point θ_s, the weights after the segment before.
 - ``segment=None`` (titans-pytorch's default ``batch_size=None``): every gradient is taken at θ_0.
   Nothing chains chunk to chunk: the chunks' gradients are one batched call, momentum and decay
-  two linear scans over chunks, the reads one batched call. This is a much cheaper computation
+  linear recurrences over chunks, the reads one batched call. This is a much cheaper computation
   than the ``titans`` preset's, where each chunk's gradients are taken at the chunk's own start.
 - ``segment=C`` (``batch_size=C``) takes each chunk's gradients at the weights after the chunk
   before, a chain of T/C steps. The chain amplifies perturbations: at B1 T4096 H8 D128 a relative
