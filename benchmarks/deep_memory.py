@@ -108,13 +108,19 @@ def all_finite(tree) -> bool:
     return not non_finite_leaves(tree)
 
 
+def _unit_qk_and_v(keys, shape):
+    """Unit-norm q, k and standard-normal v of ``shape`` from three PRNG keys."""
+    import jax
+    import jax.numpy as jnp
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return unit(jax.random.normal(keys[0], shape)), unit(jax.random.normal(keys[1], shape)), jax.random.normal(keys[2], shape)
+
+
 def inputs(spec, B, T, H, D, seed=0, dtype="float32"):
     import jax
     import jax.numpy as jnp
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    q, k = unit(jax.random.normal(ks[0], (B, T, H, D))), unit(jax.random.normal(ks[1], (B, T, H, D)))
-    v = jax.random.normal(ks[2], (B, T, H, D))
+    q, k, v = _unit_qk_and_v(ks[:3], (B, T, H, D))
     knobs = {"beta": STEP_SIZE_MAX * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))}
     if spec.retention.needs_gate:
         knobs["g"] = jax.nn.log_sigmoid(4.0 + jax.random.normal(ks[4], (B, T, H)))
@@ -227,18 +233,11 @@ def measure_ours(name, B, T, H, D, chunk, compile_only, reps, impl="chunk", dtyp
 
 
 def measure_titans_pytorch(B, T, H, D, chunk, compile_only, reps, batch_size=None):
-    """titans-pytorch's NeuralMemory, imported without the package's __init__ (as ../shared/bench's
-    anchors_gpu.py does: the package __init__ pulls in more than the memory needs)."""
-    import types
+    """titans-pytorch's NeuralMemory, forward+backward of its output's sum."""
     import torch
-    base = [p for p in sys.path if os.path.isdir(os.path.join(p, "titans_pytorch"))]
-    if not base:
-        raise ImportError("titans_pytorch is not on sys.path")
-    pkg = types.ModuleType("titans_pytorch")
-    pkg.__path__ = [os.path.join(base[0], "titans_pytorch")]
-    sys.modules["titans_pytorch"] = pkg
-    from titans_pytorch.neural_memory import NeuralMemory
     from timing import wall_ms
+    from titans_pytorch_schedule import neural_memory_class
+    NeuralMemory = neural_memory_class()
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -285,9 +284,7 @@ def chunk_step_inputs(B, T, H, D, chunk, seed=0, dtype="float32"):
     from atlas_jax.memory import MLPMemory
     memory = MLPMemory(2, 4 * D, activation="gelu", residual=True, layernorm=True)
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    q, k = unit(jax.random.normal(ks[0], (B, T, H, D))), unit(jax.random.normal(ks[1], (B, T, H, D)))
-    v = jax.random.normal(ks[2], (B, T, H, D))
+    q, k, v = _unit_qk_and_v(ks[:3], (B, T, H, D))
     N = T // chunk
     # titans-pytorch: lr = sigmoid(·) on the channel-mean loss, i.e. β = 2 lr / D on ½‖·‖²
     beta = 2.0 / D * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))

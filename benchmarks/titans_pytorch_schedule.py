@@ -16,10 +16,13 @@ import torch
 
 
 def neural_memory_class():
-    # the module alone, not the package's __init__ (as deep_memory.py imports it)
-    base = [p for p in sys.path if os.path.isdir(os.path.join(p, "titans_pytorch"))][0]
+    """titans-pytorch's NeuralMemory, imported without the package's __init__ (as ../shared/bench's
+    anchors_gpu.py does: the package __init__ pulls in more than the memory needs)."""
+    base = [p for p in sys.path if os.path.isdir(os.path.join(p, "titans_pytorch"))]
+    if not base:
+        raise ImportError("titans_pytorch is not on sys.path")
     pkg = types.ModuleType("titans_pytorch")
-    pkg.__path__ = [os.path.join(base, "titans_pytorch")]
+    pkg.__path__ = [os.path.join(base[0], "titans_pytorch")]
     sys.modules["titans_pytorch"] = pkg
     from titans_pytorch.neural_memory import NeuralMemory
     return NeuralMemory

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from atlas_jax.forms.common import window_gradient
 from atlas_jax.memory import MemoryArch
 from atlas_jax.objectives import L2, Objective
 
@@ -61,6 +62,7 @@ class ChunkStepState(NamedTuple):
 
 def _check(q, k, v, beta, nu, g, params, momentum, memory, objective, chunk_size, segment, impl,
            output_final_state):
+    """Raises on bad input, naming the argument; returns θ's leaf shapes for one head."""
     where = "chunk_step_memory"
     if impl not in IMPLS:
         raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
@@ -104,13 +106,13 @@ def _check(q, k, v, beta, nu, g, params, momentum, memory, objective, chunk_size
             if leaf.shape not in ((H,) + base.shape, (B, H) + base.shape):
                 raise ValueError(f"{where}: {name}{jax.tree_util.keystr(path[0])} must be [H, ...] = "
                                  f"{(H,) + base.shape} or [B, H, ...] = {(B, H) + base.shape}, got {leaf.shape}")
+    return expected
 
 
 def _step_gradient(memory, objective, theta, k, v, beta):
-    """Σ_t β_t ∇_θ ℓ(θ; k_t, v_t) over the rows of k, v (one sequence and head), float32 leaves."""
-    pred, pullback = jax.vjp(lambda p: memory.apply(p, k), theta)
-    cotangent = beta[:, None] * objective.output_grad(pred.astype(jnp.float32), v.astype(jnp.float32))
-    return pullback(cotangent.astype(pred.dtype))[0]
+    """Σ_t β_t ∇_θ ℓ(θ; k_t, v_t) over the rows of k, v (one sequence and head): the core's one-VJP
+    gradient, with the targets in float32 so that the objective's gradient is taken in float32."""
+    return window_gradient(memory, objective, theta, k, v.astype(jnp.float32), beta, None)
 
 
 def _gates(nu, g):
@@ -236,9 +238,8 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
         return -before, -theta_end, -m_end
 
     parts = jax.tree.map(own_parts, G)
-    before_own = jax.tree.map(lambda p: p[0], parts, is_leaf=lambda x: isinstance(x, tuple))
-    theta_own = jax.tree.map(lambda p: p[1], parts, is_leaf=lambda x: isinstance(x, tuple))
-    m_own = jax.tree.map(lambda p: p[2], parts, is_leaf=lambda x: isinstance(x, tuple))
+    before_own, theta_own, m_own = (jax.tree.map(lambda p, i=i: p[i], parts, is_leaf=lambda x: isinstance(x, tuple))
+                                    for i in range(3))
     flat_state = lambda x: x.reshape(lead + (-1,))
     m_start, theta_start = jax.tree.map(flat_state, m0), jax.tree.map(flat_state, theta0)
 
@@ -316,9 +317,9 @@ def chunk_step_memory(q, k, v, beta, nu, g, params, momentum=None, *, memory: Me
     ``nu`` (momentum gate η) and ``g`` (log decay, α = exp(g)) [B, T // chunk_size, H], one per
     complete chunk; ``params`` θ_0 and ``momentum`` m_{−1} (zeros if None) with leaves [B, H, ...] or
     [H, ...]. Returns (o [B, T, H, Dv] in q's dtype, `ChunkStepState` or None)."""
-    _check(q, k, v, beta, nu, g, params, momentum, memory, objective, chunk_size, segment, impl, output_final_state)
+    per_head = _check(q, k, v, beta, nu, g, params, momentum, memory, objective, chunk_size, segment, impl,
+                      output_final_state)
     B, _, H, _ = q.shape
-    per_head = jax.eval_shape(lambda: memory.init(jax.random.PRNGKey(0), q.shape[-1], v.shape[-1]))
     widen = lambda tree: jax.tree.map(
         lambda x, base: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B, H) + base.shape), tree, per_head)
     theta0 = widen(params)
