@@ -112,6 +112,42 @@ def test_reads_are_causal_and_lag_a_chunk():
     assert float(jnp.max(jnp.abs(o3[:, 7] - o[:, 7]))) > 1e-3
 
 
+@pytest.mark.parametrize("impl", ["recurrent", "chunk"])
+@pytest.mark.parametrize("segment,split", [(None, 8), (4, 8), (8, 16)])
+def test_a_call_continues_where_one_ended(impl, segment, split):
+    # a sequence run in two calls (the second from the first's state, with gradient_params the
+    # point of the segment it continues) gives the one call's outputs and final state: how a
+    # decode step continues a sequence. Segments count from a call's first chunk, so a split falls
+    # on a segment's boundary (8, 16) or continues the one segment (None).
+    C = 4
+    q, k, v, beta, nu, g, params, momentum = make(2, 24, 2, 8, 8, C)
+    whole = lambda x, lo, hi: x[:, lo:hi]
+    o, state = chunk_step_memory(q, k, v, beta, nu, g, params, momentum, memory=MLP, chunk_size=C,
+                                 segment=segment, impl=impl, output_final_state=True)
+    o1, s1 = chunk_step_memory(*(whole(x, 0, split) for x in (q, k, v, beta)), nu[:, :split // C], g[:, :split // C],
+                               params, momentum, memory=MLP, chunk_size=C, segment=segment, impl=impl,
+                               output_final_state=True)
+    if segment is None:
+        point = params
+    else:   # the weights after the last whole segment before the split
+        start = split // segment * segment
+        _, at_start = chunk_step_memory(*(whole(x, 0, start) for x in (q, k, v, beta)), nu[:, :start // C],
+                                        g[:, :start // C], params, momentum, memory=MLP, chunk_size=C,
+                                        segment=segment, impl=impl, output_final_state=True)
+        point = at_start.params
+    o2, s2 = chunk_step_memory(*(whole(x, split, 24) for x in (q, k, v, beta)), nu[:, split // C:], g[:, split // C:],
+                               s1.params, s1.momentum, memory=MLP, chunk_size=C, segment=segment,
+                               gradient_params=point, impl=impl, output_final_state=True)
+    assert rel(jnp.concatenate([o1, o2], axis=1), o) < 1e-5
+    for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(state)):
+        assert rel(x, y) < 1e-5
+    # without the segment's point, a continued segment=None call is another computation
+    if segment is None:
+        o3, _ = chunk_step_memory(*(whole(x, split, 24) for x in (q, k, v, beta)), nu[:, split // C:],
+                                  g[:, split // C:], s1.params, s1.momentum, memory=MLP, chunk_size=C, impl=impl)
+        assert rel(o3, o[:, split:]) > 1e-3
+
+
 def test_linear_memory_closed_form():
     # Linear memory θ = S, one segment, no momentum carry (η = 0), no decay (α = 1): every chunk's
     # gradient is taken at S_0, so S_N = S_0 − Σ_t β_t k_t (S_0ᵀ k_t − v_t)ᵀ over the written tokens
@@ -136,13 +172,14 @@ def test_linear_memory_closed_form():
     (lambda a: {"params": {"W0": a["params"]["W0"][:, :3]}}, "params must have the leaves"),
     (lambda a: {"params": {"W0": a["params"]["W0"][:, :3], "W1": a["params"]["W1"]}}, "params['W0'] must be"),
     (lambda a: {"impl": "pallas"}, "impl must be one of"),
+    (lambda a: {"gradient_params": {"W0": a["params"]["W0"]}}, "gradient_params must have the leaves"),
 ])
 def test_bad_input_names_the_argument(change, message):
     q, k, v, beta, nu, g, params, _ = make(1, 18, 2, 8, 8, 4)     # 4 chunks and 2 tokens
     a = dict(q=q, k=k, v=v, beta=beta, nu=nu, g=g, params=params, segment=None, chunk_size=4, final=False,
-             impl="chunk")
+             impl="chunk", gradient_params=None)
     a.update(change(a))
     with pytest.raises(ValueError, match=re.escape(message)):
         chunk_step_memory(a["q"], a["k"], a["v"], a["beta"], a["nu"], a["g"], a["params"], memory=MLP,
                           chunk_size=a["chunk_size"], segment=a["segment"], impl=a["impl"],
-                          output_final_state=a["final"])
+                          gradient_params=a["gradient_params"], output_final_state=a["final"])

@@ -60,8 +60,8 @@ class ChunkStepState(NamedTuple):
     momentum: dict
 
 
-def _check(q, k, v, beta, nu, g, params, momentum, memory, objective, chunk_size, segment, impl,
-           output_final_state):
+def _check(q, k, v, beta, nu, g, params, momentum, gradient_params, memory, objective, chunk_size, segment,
+           impl, output_final_state):
     """Raises on bad input, naming the argument; returns θ's leaf shapes for one head."""
     where = "chunk_step_memory"
     if impl not in IMPLS:
@@ -95,7 +95,7 @@ def _check(q, k, v, beta, nu, g, params, momentum, memory, objective, chunk_size
                          "tokens are read but not written, so there is no final state after them — pass "
                          "output_final_state=False or a whole number of chunks")
     expected = jax.eval_shape(lambda: memory.init(jax.random.PRNGKey(0), q.shape[-1], v.shape[-1]))
-    for name, tree in (("params", params), ("momentum", momentum)):
+    for name, tree in (("params", params), ("momentum", momentum), ("gradient_params", gradient_params)):
         if tree is None:
             continue
         if jax.tree.structure(tree) != jax.tree.structure(expected):
@@ -126,7 +126,7 @@ def _bh(x):
 
 
 # ---- the reference: one chunk at a time --------------------------------------------------------
-def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, chunk_size, segment):
+def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chunk_size, segment):
     B, T, H, _ = q.shape
     C, N = chunk_size, T // chunk_size
     per_segment = N if segment is None else segment // C
@@ -134,14 +134,16 @@ def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, chunk_size, 
     qs, ks, vs, betas = _bh(q), _bh(k), _bh(v), _bh(jnp.asarray(beta, jnp.float32))
     eta, alpha = jnp.moveaxis(eta, 2, 1), jnp.moveaxis(alpha, 2, 1)
 
-    def one_head(qh, kh, vh, bh, eh, ah, theta, m):
+    def one_head(qh, kh, vh, bh, eh, ah, theta, m, point):
         def token_gradient(point, kt, vt, bt):
             return _step_gradient(memory, objective, point, kt[None], vt[None], bt[None])
 
         def chunk(carry, n):
             point, theta, m = carry
-            # a new segment takes its gradients at the weights after the segment before
-            point = jax.tree.map(lambda p, w: jnp.where(n % per_segment == 0, w, p), point, theta)
+            # a new segment takes its gradients at the weights after the segment before (the first
+            # at the point given)
+            new_segment = (n % per_segment == 0) & (n > 0)
+            point = jax.tree.map(lambda p, w: jnp.where(new_segment, w, p), point, theta)
             kc, vc, bc, qc = (jax.lax.dynamic_slice_in_dim(x, n * C, C) for x in (kh, vh, bh, qh))
             grads = jax.vmap(token_gradient, in_axes=(None, 0, 0, 0))(point, kc, vc, bc)
             G = jax.tree.map(lambda x: jnp.sum(x, axis=0), grads)
@@ -152,12 +154,12 @@ def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, chunk_size, 
             out = jnp.concatenate([before[:-1], after], axis=0)
             return (point, theta, m), out
 
-        (_, theta, m), outs = jax.lax.scan(chunk, (theta, theta, m), jnp.arange(N))
+        (_, theta, m), outs = jax.lax.scan(chunk, (point, theta, m), jnp.arange(N))
         outs = outs.reshape((N * C,) + outs.shape[2:])
         tail = memory.apply(theta, qh[N * C:])                    # read, not written
         return jnp.concatenate([outs, tail], axis=0), theta, m
 
-    o, theta, m = jax.vmap(jax.vmap(one_head))(qs, ks, vs, betas, eta, alpha, theta0, m0)
+    o, theta, m = jax.vmap(jax.vmap(one_head))(qs, ks, vs, betas, eta, alpha, theta0, m0, point0)
     return jnp.moveaxis(o, 1, 2), theta, m
 
 
@@ -279,7 +281,7 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
     return thetas_before, theta_end, m_end
 
 
-def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, chunk_size, segment):
+def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chunk_size, segment):
     B, T, H, D = q.shape
     C, N = chunk_size, T // chunk_size
     per_segment = N if segment is None else min(segment // C, N)
@@ -290,14 +292,14 @@ def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, chunk_size, s
                                                  in_axes=(None, 0, 0, 0))))
 
     def one_segment(carry, xs):
-        theta, m = carry
+        point, theta, m = carry
         ks_, vs_, bs_, es_, as_ = xs
         # every chunk's gradient at θ_s, in the products' dtype (the recurrence accumulates in float32)
-        G = jax.tree.map(lambda x: x.astype(q.dtype), chunk_gradients(theta, ks_, vs_, bs_))
+        G = jax.tree.map(lambda x: x.astype(q.dtype), chunk_gradients(point, ks_, vs_, bs_))
         thetas_before, theta, m = _momentum_and_decay(es_, as_, G, m, theta, q.dtype)
-        return (theta, m), thetas_before
+        return (theta, theta, m), thetas_before
 
-    (theta_end, m_end), thetas_before = _over_segments(one_segment, (theta0, m0), chunks, per_segment)
+    (_, theta_end, m_end), thetas_before = _over_segments(one_segment, (point0, theta0, m0), chunks, per_segment)
     # Token t reads θ_{r(t)}, r(t) = ⌊(t+1)/C⌋ − 1: shifted by one, the queries fall into chunks
     # 0..N; chunk j < N reads θ_{j−1} (θ_{−1} = θ_0) and chunk N the last θ.
     shifted = jnp.pad(_bh(q), [(0, 0), (0, 0), (1, (N + 1) * C - T - 1), (0, 0)])
@@ -312,18 +314,23 @@ def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, chunk_size, s
 @partial(jax.jit, static_argnames=("memory", "objective", "chunk_size", "segment", "impl", "output_final_state"))
 def chunk_step_memory(q, k, v, beta, nu, g, params, momentum=None, *, memory: MemoryArch,
                       objective: Objective = L2(), chunk_size: int = 64, segment: int | None = None,
-                      impl: str = "auto", output_final_state: bool = False):
+                      gradient_params=None, impl: str = "auto", output_final_state: bool = False):
     """The module docstring's memory. q, k [B, T, H, D], v [B, T, H, Dv]; ``beta`` [B, T, H] per token;
     ``nu`` (momentum gate η) and ``g`` (log decay, α = exp(g)) [B, T // chunk_size, H], one per
     complete chunk; ``params`` θ_0 and ``momentum`` m_{−1} (zeros if None) with leaves [B, H, ...] or
-    [H, ...]. Returns (o [B, T, H, Dv] in q's dtype, `ChunkStepState` or None)."""
-    per_head = _check(q, k, v, beta, nu, g, params, momentum, memory, objective, chunk_size, segment, impl,
-                      output_final_state)
+    [H, ...]. Segments count from the call's first chunk. ``gradient_params`` (same leaves; default
+    ``params``): the first segment's gradient point θ_s, for a call that continues a sequence whose
+    one segment began before it (``segment=None``: a decode step replaying its chunk passes the
+    sequence's θ_0). Returns (o [B, T, H, Dv] in q's dtype,
+    `ChunkStepState` or None)."""
+    per_head = _check(q, k, v, beta, nu, g, params, momentum, gradient_params, memory, objective, chunk_size,
+                      segment, impl, output_final_state)
     B, _, H, _ = q.shape
     widen = lambda tree: jax.tree.map(
         lambda x, base: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B, H) + base.shape), tree, per_head)
     theta0 = widen(params)
     m0 = jax.tree.map(jnp.zeros_like, theta0) if momentum is None else widen(momentum)
+    point0 = theta0 if gradient_params is None else widen(gradient_params)
     run = _reference if impl == "recurrent" else _parallel
-    o, theta, m = run(memory, objective, q, k, v, beta, nu, g, theta0, m0, chunk_size, segment)
+    o, theta, m = run(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chunk_size, segment)
     return o.astype(q.dtype), (ChunkStepState(theta, m) if output_final_state else None)
