@@ -33,7 +33,8 @@ def _reforward_greedy(model, prompt, new):
 # chunk: at chunk 8 the prompt of 20 leaves a chunk of 4 open and the 12 new tokens close two
 # (`MemoryLayer.decodes_by_chunk`); at chunk 4 the prompt ends on a boundary, at 32 it closes no
 # chunk (at chunk 1 their chunked form is the recurrence, which decodes as the delta family's
-# does). swa's window (16) is shorter than prompt + new tokens, so its ring buffer wraps.
+# does). titans on titans-pytorch's schedules (one step per chunk) replays its chunk too, from the
+# chunk's start weights, momentum and gradient point. swa's window (16) is shorter than prompt + new tokens, so its ring buffer wraps.
 # gated_deltanet at V = K is slow-marked (the V = 2K case runs the same path) to keep `make test`
 # under 20 minutes.
 @pytest.mark.parametrize("name,overrides", [
@@ -42,6 +43,8 @@ def _reforward_greedy(model, prompt, new):
     ("titans", {"chunk_size": 8, "expand_v": 2}),
     ("titans", {"chunk_size": 4}),
     ("titans", {"chunk_size": 32}),
+    ("titans", {"chunk_size": 8, "step_schedule": "chunk"}),             # titans-pytorch's schedules
+    ("titans", {"chunk_size": 4, "step_schedule": "chunk_from_theta0"}),
     ("atlas", {"chunk_size": 8}),
     ("transformer", {}),
     ("swa", {}),

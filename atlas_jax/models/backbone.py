@@ -59,7 +59,7 @@ class Block(nnx.Module):
             return MemoryLayer(spec, width=cfg.width, heads=cfg.num_heads, impl=cfg.impl, chunk_size=cfg.chunk_size,
                                conv_size=cfg.conv_size, gate_rank=cfg.gate_rank, memory_init=cfg.memory_init,
                                max_documents=cfg.max_documents, step_size_max=cfg.step_size_max,
-                               expand_v=cfg.expand_v, **common)
+                               expand_v=cfg.expand_v, step_schedule=cfg.step_schedule, **common)
 
         def attention():
             return Attention(cfg.width, cfg.num_heads, window=cfg.attention_window, rope_theta=cfg.rope_theta, **common)

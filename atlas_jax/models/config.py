@@ -34,6 +34,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_and_kernels")
 DTYPES = ("float32", "bfloat16")
 MEMORY_INITS = ("per_head", "shared", "fixed")
 SIZES = ("tiny", "170m", "340m", "760m", "1.3b")
+STEP_SCHEDULES = ("token", "chunk", "chunk_from_theta0")   # the memory layer's (models.layers.run_chunk_steps)
 
 
 def sizes_dir() -> Path:
@@ -85,6 +86,9 @@ class ModelConfig:
     max_documents: int = 8               # packed rows: at most this many documents per row
     step_size_max: float | None = None   # β = step_size_max·sigmoid(·); None: 1 (linear), 1e-3 (deep)
     expand_v: float = 1                  # value head width = expand_v · head_dim (fla's expand_v)
+    # token: the preset's recurrence; chunk / chunk_from_theta0: titans-pytorch's one inner step per
+    # chunk, gradients at each chunk's start / at θ_0 (its batch_size=chunk_size / its default)
+    step_schedule: str = "token"
     # numerics and compilation
     dtype: str = "float32"               # compute dtype (bfloat16 for training on accelerators)
     param_dtype: str = "float32"
@@ -101,6 +105,7 @@ class ModelConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("param_dtype", self.param_dtype, DTYPES)
         _choice("memory_init", self.memory_init, MEMORY_INITS)
+        _choice("step_schedule", self.step_schedule, STEP_SCHEDULES)
         for name in ("vocab_size", "width", "num_layers", "num_heads", "mlp_hidden", "context_length",
                      "chunk_size", "gate_rank", "mac_segment", "max_documents"):
             _positive_int(name, getattr(self, name))

@@ -13,7 +13,9 @@ the preset's feature map φ with its learnable coefficients, per-token gates com
 (β step size, α retention as log-decay g, ν momentum decay, γ Omega-window gate, δ objective knob;
 the channel-wise decay through a low-rank projection), multi-head, a per-head RMSNorm of the output
 with a SiLU output gate, and a learnable θ_0 for deep memories. The recurrence itself is the core's
-(``MemorySpec.__call__`` or the preset's closed form), called from ``run_memory`` only.
+(``MemorySpec.__call__`` or the preset's closed form), called from ``run_memory`` only; or, with
+``step_schedule`` "chunk" / "chunk_from_theta0", titans-pytorch's schedule of one inner step per
+chunk (`ops.deep_memory.chunk_step_memory`, called from ``run_chunk_steps`` only).
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax.kernels.delta_family.support import fused_gate
 from atlas_jax.memory import LinearMemory
+from atlas_jax.models.config import STEP_SCHEDULES
 from atlas_jax.presets import ClosedForm
 from atlas_jax.spec import MemoryState
 
 __all__ = ["DTYPES", "BATCH_MESH_AXES", "per_batch_shard", "SwiGLU", "ShortConv", "Attention", "MemoryLayer", "apply_rope", "run_memory", "packs_documents", "takes_restarts",
+           "STEP_SCHEDULES", "chunk_steps_refusal", "run_chunk_steps",
            "chunk_aligned_layout", "to_chunk_aligned", "from_chunk_aligned",
            "document_starts", "document_positions", "to_document_rows", "from_document_rows", "l2_normalize"]
 
@@ -554,6 +558,97 @@ class Attention(nnx.Module):
         return self._out(o), {"k": keys, "v": values, "pos": key_pos}
 
 
+# ---- one inner step per chunk (titans-pytorch's schedule) ----------------------------------------
+# step_schedule (models.config.STEP_SCHEDULES; "token" is the preset's own recurrence, run_memory)
+# -> chunk_step_memory's segment in chunks (None: the whole sequence)
+SEGMENT_CHUNKS = {"chunk": 1, "chunk_from_theta0": None}
+
+
+def chunk_steps_refusal(spec) -> str | None:
+    """Why ``spec`` cannot take one inner step per chunk from a segment's start
+    (`ops.deep_memory.chunk_step_memory`: G_n = Σ β ∇ℓ(θ_s), m_n = η_n m − G_n, θ_n = α_n θ + m_n),
+    or None where it can: any memory and objective without a per-token objective knob, identity
+    features, window 1, one step a token, GD or Titans' momentum (β inside the momentum), no
+    retention or a decoupled scalar decay without a map (titans, ttt_mlp)."""
+    from atlas_jax import optimizers as inner_opt
+    from atlas_jax.features import Identity
+    if isinstance(spec, ClosedForm):
+        return "a closed form has no inner steps"
+    info = inner_opt.info(spec.optimizer)
+    reasons = []
+    if type(spec.feature_map) is not Identity:
+        reasons.append(f"its feature map is {spec.feature_map.describe()} (the op reads q and k as they are)")
+    if spec.window > 1:
+        reasons.append(f"its Omega window is {spec.window} (the op takes each token's own gradient)")
+    if spec.steps > 1:
+        reasons.append(f"it takes {spec.steps} steps a token")
+    if not (info.kind == "gd" or (info.kind == "momentum" and info.step_inside)):
+        reasons.append(f"its optimizer is {inner_opt.describe(spec.optimizer)} (the op takes GD or Titans' "
+                       "momentum, m = η m − β∇ℓ)")
+    retention = spec.retention
+    if retention.has_map or retention.log_decay is not None or retention.decay == "channel" or (
+            retention.decay == "scalar" and not retention.decoupled):
+        reasons.append(f"its retention is {retention.describe()} (the op takes none or a decoupled per-chunk "
+                       "scalar decay)")
+    if spec.objective.uses_delta:
+        reasons.append(f"its objective {spec.objective.describe()} takes a per-token knob")
+    return "; ".join(reasons) or None
+
+
+def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chunk_size: int, state: dict,
+                    decay_params: tuple | None = None, output_final_state: bool = False,
+                    documents: tuple | None = None):
+    """The one call into ``chunk_step_memory``: (o [B, T, H, V], the next state or None).
+
+    ``knobs`` [B, T, H]: β per token, activated ("beta"), and per token the momentum gate's logit
+    ("nu_logit") and the decay's raw input ("g_raw", activated by fla's gate with ``decay_params``
+    (A_log [H], dt_bias [H])); a chunk's gates are those of its tokens' mean (titans-pytorch pools a chunk's inputs
+    before its gates' linear maps, which commute with the mean). ``state``: {"params": θ, "momentum":
+    m (None: zeros), "point": the segment's gradient point} with leaves [H, ...] or [B, H, ...];
+    the next state has the same keys, "point" moved on where each chunk is a segment. A sequence
+    shorter than a chunk is read with the state's θ (nothing is written). ``documents``: as
+    ``run_memory``'s; each document runs in its own row from ``state``."""
+    from atlas_jax.ops.deep_memory import chunk_step_memory
+    if schedule not in SEGMENT_CHUNKS:
+        raise ValueError(f"run_chunk_steps: schedule must be one of {list(SEGMENT_CHUNKS)}, got {schedule!r}")
+    segment = None if SEGMENT_CHUNKS[schedule] is None else SEGMENT_CHUNKS[schedule] * chunk_size
+    if documents is not None and output_final_state:
+        raise ValueError("run_chunk_steps: documents (packed rows) return no final state; pass output_final_state=False")
+
+    def memory(q, k, v, knobs):
+        batch, time, heads = q.shape[:3]
+        short = time < chunk_size      # no whole chunk: pad one (the padding is written, never read)
+        if short:
+            pad = lambda x: jnp.pad(x, [(0, 0), (0, chunk_size - time)] + [(0, 0)] * (x.ndim - 2))
+            q, k, v = pad(q), pad(k), pad(v)
+            knobs = {name: pad(x) for name, x in knobs.items()}
+        n = q.shape[1] // chunk_size
+        pool = lambda x: jnp.mean(x[:, :n * chunk_size].reshape(batch, n, chunk_size, heads), axis=2)
+        zeros = jnp.zeros((batch, n, heads), jnp.float32)
+        nu = jax.nn.sigmoid(pool(knobs["nu_logit"])) if "nu_logit" in knobs else zeros
+        if "g_raw" in knobs:
+            A_log, dt_bias = decay_params
+            g = fused_gate(pool(knobs["g_raw"])[..., None], A_log, dt_bias.reshape(heads, 1))[..., 0]
+        else:
+            g = zeros
+        o, final = chunk_step_memory(q, k, v, knobs["beta"], nu, g, state["params"], state["momentum"],
+                                     memory=spec.memory, objective=spec.objective, chunk_size=chunk_size,
+                                     segment=segment, gradient_params=state["point"],
+                                     impl="recurrent" if impl == "recurrent" else "auto",
+                                     output_final_state=output_final_state and not short)
+        o = o[:, :time]
+        if not output_final_state:
+            return o, None
+        if short:
+            return o, state
+        point = final.params if segment is not None else state["point"]
+        return o, {"params": final.params, "momentum": final.momentum, "point": point}
+
+    if documents is None:
+        return memory(q, k, v, knobs)
+    return _in_document_rows(lambda *args: memory(*args)[0], documents, q, k, v, knobs), None
+
+
 # ---- the memory layer ---------------------------------------------------------------------------
 def _uses_beta(spec) -> bool:
     """A data-dependent step size β_t, except where the papers have none: linear Hebbian memories
@@ -569,7 +664,11 @@ def _uses_beta(spec) -> bool:
 class MemoryLayer(nnx.Module):
     """The papers' memory layer around one preset (a MemorySpec, or a ClosedForm for DeepTransformer,
     SWDT and Dot). ``impl``: auto | pallas | chunk | recurrent (the core's forms; the exact delta
-    family runs through atlas_jax.ops and so the Pallas kernels on GPU/TPU)."""
+    family runs through atlas_jax.ops and so the Pallas kernels on GPU/TPU). ``step_schedule``:
+    "token", the preset's recurrence; "chunk" / "chunk_from_theta0", titans-pytorch's one inner step
+    per chunk with each chunk's gradients at its start weights (its ``batch_size=chunk_size``) / at
+    the sequence's θ_0 (its default), the momentum and decay gates from each chunk's mean input
+    (``run_chunk_steps``; ``chunk_steps_refusal`` says which presets take it)."""
 
     # On a delta-family op the op applies the gate and β activations to raw inputs (fla's
     # use_gate_in_kernel / use_beta_sigmoid_in_kernel), and its backward recomputes them instead of
@@ -580,9 +679,21 @@ class MemoryLayer(nnx.Module):
 
     def __init__(self, spec, *, width: int, heads: int, impl: str = "auto", chunk_size: int = 64,
                  conv_size: int = 4, gate_rank: int = 16, memory_init: str = "shared", max_documents: int = 8,
-                 step_size_max: float | None = None, expand_v: float = 1, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 step_size_max: float | None = None, expand_v: float = 1, step_schedule: str = "token",
+                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         self.spec, self.impl, self.chunk_size, self.max_documents = spec, impl, chunk_size, max_documents
+        if step_schedule not in STEP_SCHEDULES:
+            raise ValueError(f"MemoryLayer: step_schedule must be one of {list(STEP_SCHEDULES)}, got {step_schedule!r}")
+        if step_schedule != "token":
+            refusal = chunk_steps_refusal(spec)
+            if refusal:
+                raise ValueError(f"MemoryLayer: step_schedule={step_schedule!r} takes one inner step per chunk, and "
+                                 f"preset {getattr(spec, 'name', spec)!r} cannot: {refusal}. Use step_schedule='token' "
+                                 "or a preset such as titans or ttt_mlp")
+            if impl == "pallas":
+                raise ValueError(f"MemoryLayer: step_schedule={step_schedule!r} has no Pallas kernel (its XLA form "
+                                 "is the fast path); use impl 'auto', 'chunk' or 'recurrent'")
+        self.step_schedule = step_schedule
         self.heads, self.head_dim, self.dtype = heads, width // heads, dtype
         # fla's expand_v: value heads wider than the key heads (V = expand_v · K per head).
         self.value_dim = int(self.head_dim * expand_v)
@@ -710,21 +821,46 @@ class MemoryLayer(nnx.Module):
             if not fused.get("use_beta_sigmoid_in_kernel"):
                 beta = self.step_size_max * jax.nn.sigmoid(beta)
             knobs["beta"] = beta if self.steps > 1 else beta[..., 0]
+        # one step per chunk: the gates' inputs per token, pooled over each chunk (run_chunk_steps)
+        per_chunk = self.step_schedule != "token"
         if self.decay is not None:
             a = f32(self.a_proj(x)) if self.decay == "scalar" else f32(self.g_up(self.g_down(x)))
             g = a.reshape(batch, time, h, -1)
-            if not fused.get("use_gate_in_kernel"):
-                g = fused_gate(g, self.A_log[...], self.dt_bias[...].reshape(h, -1))
-            knobs["g"] = g if self.decay == "channel" else g[..., 0]
+            if per_chunk:
+                knobs["g_raw"] = g[..., 0]
+            else:
+                if not fused.get("use_gate_in_kernel"):
+                    g = fused_gate(g, self.A_log[...], self.dt_bias[...].reshape(h, -1))
+                knobs["g"] = g if self.decay == "channel" else g[..., 0]
         if self.nu_proj is not None:
-            knobs["nu"] = jax.nn.sigmoid(f32(self.nu_proj(x)))
+            logit = f32(self.nu_proj(x))
+            knobs.update({"nu_logit": logit} if per_chunk else {"nu": jax.nn.sigmoid(logit)})
         if self.gamma_proj is not None:
             knobs["gamma"] = jax.nn.sigmoid(f32(self.gamma_proj(x)))
         if self.delta_proj is not None:
             knobs["delta"] = jax.nn.softplus(f32(self.delta_proj(x)))
         return knobs
 
+    def _chunk_step_state(self, batch: int | None, head_dim: int, value_dim: int) -> dict:
+        """run_chunk_steps' state at a sequence's start: θ_0 ([B, H, ...], as every later state, so
+        that a decode cache keeps its shapes; [H, ...] for batch None; zeros for a linear memory), no
+        momentum, θ_0 the gradient point."""
+        theta = self.theta0()
+        per_head = jax.eval_shape(lambda: self.spec.memory.init(jax.random.PRNGKey(0), head_dim, value_dim))
+        if theta is None:
+            theta = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), per_head)
+        lead = (self.heads,) if batch is None else (batch, self.heads)
+        theta = jax.tree.map(lambda x, ref: jnp.broadcast_to(x, lead + ref.shape), theta, per_head)
+        return {"params": theta, "momentum": jax.tree.map(jnp.zeros_like, theta), "point": theta}
+
     def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None):
+        if self.step_schedule != "token":
+            state = initial_state or self._chunk_step_state(None, q.shape[-1], v.shape[-1])
+            decay = None if self.decay is None else (self.A_log[...], self.dt_bias[...])
+            o, final = run_chunk_steps(self.spec, q, k, v, knobs, schedule=self.step_schedule, impl=impl,
+                                       chunk_size=self.chunk_size, state=state, decay_params=decay,
+                                       output_final_state=output_final_state, documents=documents)
+            return o * self.scale, final
         feature_params = None if self.feature_coeffs is None else {"coeffs": self.feature_coeffs[...].astype(jnp.float32)}
         if initial_state is None:
             initial_state = self.theta0()
@@ -758,6 +894,8 @@ class MemoryLayer(nnx.Module):
         layer's forward takes every gradient of a chunk at the chunk's start θ (the chunk-start
         form of titans, atlas, the MIRAS memories, …), which a token-by-token recurrence does not
         compute. The exact families' chunked form is their recurrence, and so is any form at chunk 1."""
+        if self.step_schedule != "token":
+            return True     # titans-pytorch's schedule steps once per chunk in every impl
         return (self.can_decode and not self.spec.chunked_is_exact and self.impl != "recurrent"
                 and self.chunk_size > 1)
 
@@ -811,7 +949,10 @@ class MemoryLayer(nnx.Module):
         part = lambda lo, hi: jax.tree.map(lambda y: y[:, lo:hi], inputs)
         # θ_0 as the MemoryState the core makes of it (the cache's memory is always one)
         batch, _, heads, d = q.shape
-        outputs, state = [], self.spec._coerce_state(self.theta0(), batch, heads, d, v.shape[-1])
+        if self.step_schedule != "token":
+            outputs, state = [], self._chunk_step_state(batch, d, v.shape[-1])
+        else:
+            outputs, state = [], self.spec._coerce_state(self.theta0(), batch, heads, d, v.shape[-1])
         if start > 0:
             head = part(0, start)
             o, state = self._run(head["q"], head["k"], head["v"], head["knobs"], impl=self.impl,
