@@ -17,7 +17,11 @@ e.g. from ../shared/bench's wheels) and titans_pytorch_every_chunk (the same wit
 ``batch_size=chunk``), and our op on titans-pytorch's schedule: titans_chunk_steps and
 titans_chunk_steps_every_chunk (`ops.deep_memory.chunk_step_memory` with ``segment`` None and =
 chunk, its memory MLPMemory(2, 4·D, residual, LayerNorm) as titans-pytorch's ResidualNorm(MemoryMLP)
-without the norm's gain). With its default ``batch_size=None`` titans-pytorch takes every chunk's
+without the norm's gain); and our whole titans memory layer (`models.layers.MemoryLayer`, width H·D,
+projections, short convolution, gates and output gate included, as titans-pytorch's NeuralMemory
+includes its own), forward+backward with respect to its input and parameters: titans_layer (the
+preset's per-token steps), titans_layer_chunk_steps and titans_layer_chunk_steps_every_chunk (its
+``step_schedule`` "chunk_from_theta0" and "chunk": titans-pytorch's two schedules). With its default ``batch_size=None`` titans-pytorch takes every chunk's
 gradients at the sequence's initial weights (one batched call, no chain from chunk to chunk) and
 applies momentum and decay per chunk; ``batch_size=chunk`` takes each chunk's gradients at the
 weights after the chunk before, the chunk-start point our titans preset uses (Titans §3.2 with
@@ -69,6 +73,10 @@ TORCH_ENTRIES = {TORCH_ENTRY: None, "titans_pytorch_every_chunk": "chunk"}
 # our titans-pytorch-schedule entries (`ops.deep_memory.chunk_step_memory`) -> its segment (None: the
 # whole sequence, as titans-pytorch's default; "chunk": the chunk size, as its batch_size=chunk)
 CHUNK_STEP_ENTRIES = {"titans_chunk_steps": None, "titans_chunk_steps_every_chunk": "chunk"}
+# our whole titans memory layer (`models.layers.MemoryLayer`: projections, short convolution, gates,
+# output norm and gate, as titans-pytorch's NeuralMemory has its own) -> its step_schedule
+LAYER_ENTRIES = {"titans_layer": "token", "titans_layer_chunk_steps": "chunk_from_theta0",
+                 "titans_layer_chunk_steps_every_chunk": "chunk"}
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
 SLOW_CALL_S = 2.0
 
@@ -334,6 +342,53 @@ def measure_chunk_steps(B, T, H, D, chunk, compile_only, reps, segment=None, dty
     return row
 
 
+def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, impl="auto", dtype="float32", trace_dir=None):
+    """Our titans memory layer (width H·D, H heads, float32 parameters, ``dtype`` compute), as a
+    model holds it: jax.vjp of its output with respect to its input and every parameter."""
+    import jax
+    from flax import nnx
+    from atlas_jax import presets
+    from atlas_jax.models.layers import DTYPES, MemoryLayer
+
+    compute = DTYPES[dtype]
+    layer = MemoryLayer(presets.get("titans"), width=H * D, heads=H, impl=impl, chunk_size=chunk,
+                        step_schedule=schedule, rngs=nnx.Rngs(0), dtype=compute)
+    graphdef, params = nnx.split(layer)
+    kx, kc = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(kx, (B, T, H * D)).astype(compute)
+    cotangent = jax.random.normal(kc, (B, T, H * D)).astype(compute)
+    forward = lambda params, x: nnx.merge(graphdef, params)(x)
+
+    @jax.jit
+    def fwdbwd(params, x, cotangent):
+        out, pullback = jax.vjp(forward, params, x)
+        return out, pullback(cotangent)
+
+    row = {"dual_form": None, "step_schedule": schedule}
+    t = time.perf_counter()
+    compiled = fwdbwd.lower(params, x, cotangent).compile()
+    row["compile_s"] = time.perf_counter() - t
+    count = flops.dot_flops(fwdbwd, params, x, cotangent)
+    row["dot_tflop"] = count.flops / 1e12
+    row["compiled_total_GiB"] = compiled_total_gib(compiled)
+    if compile_only:
+        return row
+    row["fwd_ms"] = time_jax(jax.jit(forward), params, x, reps=reps)
+    result = jax.block_until_ready(compiled(params, x, cotangent))
+    row["finite"] = all_finite(result)
+    ms = time_jax(compiled, params, x, cotangent, reps=reps)
+    _rates(row, count, ms, B * T)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        kernels, total, _ = trace_kernels(lambda: jax.block_until_ready(compiled(params, x, cotangent)), trace_dir)
+        row["trace_total_ms"] = total
+        row["trace_top"] = [(name[:90], round(ms, 3), count) for name, ms, count in kernels]
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        row["peak_GiB"] = stats["peak_bytes_in_use"] / 2 ** 30
+    return row
+
+
 def _steps(spec, args):
     """One (sequence, head)'s steps, only for asking whether the dual form covers the call."""
     import jax.numpy as jnp
@@ -355,6 +410,13 @@ def worker(a):
             row["form"] = "titans-pytorch"
             batch_size = a.chunk if TORCH_ENTRIES[a.worker] == "chunk" else None
             row.update(measure_titans_pytorch(B, T, H, D, a.chunk, a.compile_only, a.reps, batch_size))
+        elif a.worker in LAYER_ENTRIES:
+            import_tree(a.root) if a.root else import_tree()
+            import jax
+            row["device"], row["form"] = jax.devices()[0].device_kind, f"memory layer, {LAYER_ENTRIES[a.worker]} steps"
+            trace_dir = None if not a.trace else os.path.join(a.trace, f"{a.worker}_{a.dtype}")
+            row.update(measure_layer(B, T, H, D, a.chunk, a.compile_only, a.reps, LAYER_ENTRIES[a.worker], a.impl,
+                                     a.dtype, trace_dir))
         elif a.worker in CHUNK_STEP_ENTRIES:
             import_tree(a.root) if a.root else import_tree()
             import jax
@@ -439,7 +501,7 @@ def markdown(rows, header) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["titans", "omeganet", "atlas", "atlas_token", TORCH_ENTRY],
-                        choices=list(ENTRIES) + list(TORCH_ENTRIES) + list(CHUNK_STEP_ENTRIES))
+                        choices=list(ENTRIES) + list(TORCH_ENTRIES) + list(CHUNK_STEP_ENTRIES) + list(LAYER_ENTRIES))
     parser.add_argument("--shape", type=shape_arg, default=None, help="B,T,H,D (default 4,4096,8,128)")
     parser.add_argument("--chunk", type=int, default=None, help="chunk size (default 64)")
     parser.add_argument("--tiny", action="store_true",
