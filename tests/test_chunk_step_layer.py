@@ -88,14 +88,17 @@ def test_layer_is_causal(schedule):
         assert float(jnp.max(jnp.abs(moved[:, t + 1:] - out[:, t + 1:]))) > 1e-4, t
 
 
-def test_packed_documents_equal_separate_runs():
-    # documents of 9 and 12 tokens packed in one row equal each run alone (each from θ_0)
-    model = build("titans", "tiny", rngs=nnx.Rngs(0), chunk_size=C, step_schedule="chunk", max_documents=2)
-    tokens = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, 256, dtype=jnp.int32)
-    segment_ids = jnp.asarray([[0] * 9 + [1] * 12], jnp.int32)
+@pytest.mark.parametrize("schedule", ["chunk", "chunk_from_theta0"])
+def test_packed_documents_equal_separate_runs(schedule):
+    # documents of 8 (two whole chunks: its last token reads its own last step, the next chunk
+    # restarts), 5 and 8 tokens packed in one row, moved to chunk boundaries with restarts, equal
+    # each run alone from θ_0; so does a row of one document
+    model = build("titans", "tiny", rngs=nnx.Rngs(0), chunk_size=C, step_schedule=schedule, max_documents=3)
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (2, T), 0, 256, dtype=jnp.int32)
+    segment_ids = jnp.asarray([[0] * 8 + [1] * 5 + [2] * 8, [3] * T], jnp.int32)
     packed = model(tokens, segment_ids)
-    assert _rel(packed[:, :9], model(tokens[:, :9])) <= 1e-5
-    assert _rel(packed[:, 9:], model(tokens[:, 9:])) <= 1e-5
+    for row, lo, hi in ((0, 0, 8), (0, 8, 13), (0, 13, 21), (1, 0, 21)):
+        assert _rel(packed[row, lo:hi], model(tokens[row:row + 1, lo:hi])[0]) <= 1e-5, (row, lo, hi)
 
 
 def test_which_presets_take_one_step_per_chunk():

@@ -148,6 +148,50 @@ def test_a_call_continues_where_one_ended(impl, segment, split):
         assert rel(o3, o[:, split:]) > 1e-3
 
 
+@pytest.mark.parametrize("segment", [None, 4])
+def test_restarts_equal_separate_sequences(segment):
+    # two documents on chunk boundaries in one row: A in chunks 0-2 (its last chunk half padding,
+    # β = 0 there), B in chunks 3-5 with a restart before it. B's outputs and the final state are
+    # B's alone; both forms, and the parallel form's gradients against the reference's.
+    C = 4
+    q, k, v, beta, nu, g, params, momentum = make(2, 24, 2, 8, 8, C)
+    beta = beta.at[:, 10:12].set(0.0)
+    restarts = jnp.zeros((2, 6), bool).at[:, 3].set(True)
+    b = lambda x, lo: x[:, lo:]
+    for impl in ("recurrent", "chunk"):
+        o, state = chunk_step_memory(q, k, v, beta, nu, g, params, momentum, memory=MLP, chunk_size=C, segment=segment,
+                                     restarts=restarts, impl=impl, output_final_state=True)
+        o_b, state_b = chunk_step_memory(*(b(x, 12) for x in (q, k, v, beta)), b(nu, 3), b(g, 3), params, memory=MLP,
+                                         chunk_size=C, segment=segment, impl=impl, output_final_state=True)
+        o_a, _ = chunk_step_memory(*(x[:, :10] for x in (q, k, v, beta)), nu[:, :2], g[:, :2], params, momentum,
+                                   memory=MLP, chunk_size=C, segment=segment, impl=impl)
+        assert rel(o[:, 12:], o_b) < 1e-5, impl
+        assert rel(o[:, :10], o_a) < 1e-5, impl
+        for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(state_b)):
+            assert rel(x, y) < 1e-5, impl
+    ct = jax.random.normal(jax.random.PRNGKey(5), o.shape)
+    args = (q, k, v, beta, nu, g, params, momentum)
+    grad = lambda impl: jax.grad(lambda a: jnp.sum(chunk_step_memory(
+        *a, memory=MLP, chunk_size=C, segment=segment, restarts=restarts, impl=impl)[0] * ct))(args)
+    for x, y in zip(jax.tree.leaves(grad("chunk")), jax.tree.leaves(grad("recurrent"))):
+        assert rel(x, y) < 1e-5
+
+
+def test_restarts_in_blocks(monkeypatch):
+    # restarts anywhere, several in a block of chunks and one on a block's first chunk (blocks of 3
+    # over 11 chunks): the parallel form against the reference
+    from atlas_jax.ops.deep_memory import chunk_steps
+    monkeypatch.setattr(chunk_steps, "BLOCK", 3)
+    args = make(2, 22, 2, 4, 4, 2, seed=3)
+    restarts = jnp.asarray([[0, 1, 0, 1, 1, 0, 0, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1]], bool)
+    o_ref, s_ref = chunk_step_memory(*args, memory=MLP, chunk_size=2, restarts=restarts, impl="recurrent",
+                                     output_final_state=True)
+    o, s = chunk_step_memory(*args, memory=MLP, chunk_size=2, restarts=restarts, impl="chunk", output_final_state=True)
+    assert rel(o, o_ref) < 1e-5
+    for x, y in zip(jax.tree.leaves(s), jax.tree.leaves(s_ref)):
+        assert rel(x, y) < 1e-5
+
+
 def test_linear_memory_closed_form():
     # Linear memory θ = S, one segment, no momentum carry (η = 0), no decay (α = 1): every chunk's
     # gradient is taken at S_0, so S_N = S_0 − Σ_t β_t k_t (S_0ᵀ k_t − v_t)ᵀ over the written tokens
@@ -173,13 +217,16 @@ def test_linear_memory_closed_form():
     (lambda a: {"params": {"W0": a["params"]["W0"][:, :3], "W1": a["params"]["W1"]}}, "params['W0'] must be"),
     (lambda a: {"impl": "pallas"}, "impl must be one of"),
     (lambda a: {"gradient_params": {"W0": a["params"]["W0"]}}, "gradient_params must have the leaves"),
+    (lambda a: {"restarts": jnp.zeros((1, 5), bool)}, "restarts marks the complete chunks"),
+    (lambda a: {"restarts": jnp.zeros((1, 4), bool), "segment": 8}, "restarts need segment None"),
+    (lambda a: {"restarts": jnp.zeros((1, 4), bool), "gradient_params": a["params"]}, "cannot be combined"),
 ])
 def test_bad_input_names_the_argument(change, message):
     q, k, v, beta, nu, g, params, _ = make(1, 18, 2, 8, 8, 4)     # 4 chunks and 2 tokens
     a = dict(q=q, k=k, v=v, beta=beta, nu=nu, g=g, params=params, segment=None, chunk_size=4, final=False,
-             impl="chunk", gradient_params=None)
+             impl="chunk", gradient_params=None, restarts=None)
     a.update(change(a))
     with pytest.raises(ValueError, match=re.escape(message)):
         chunk_step_memory(a["q"], a["k"], a["v"], a["beta"], a["nu"], a["g"], a["params"], memory=MLP,
                           chunk_size=a["chunk_size"], segment=a["segment"], impl=a["impl"],
-                          gradient_params=a["gradient_params"], output_final_state=a["final"])
+                          gradient_params=a["gradient_params"], restarts=a["restarts"], output_final_state=a["final"])

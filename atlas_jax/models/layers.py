@@ -607,7 +607,8 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
     m (None: zeros), "point": the segment's gradient point} with leaves [H, ...] or [B, H, ...];
     the next state has the same keys, "point" moved on where each chunk is a segment. A sequence
     shorter than a chunk is read with the state's θ (nothing is written). ``documents``: as
-    ``run_memory``'s; each document runs in its own row from ``state``."""
+    ``run_memory``'s: each document moved to a chunk boundary, the op restarting from ``state``
+    there (``chunk_aligned_layout``; about T + M·C tokens of work a row)."""
     from atlas_jax.ops.deep_memory import chunk_step_memory
     if schedule not in SEGMENT_CHUNKS:
         raise ValueError(f"run_chunk_steps: schedule must be one of {list(SEGMENT_CHUNKS)}, got {schedule!r}")
@@ -615,7 +616,7 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
     if documents is not None and output_final_state:
         raise ValueError("run_chunk_steps: documents (packed rows) return no final state; pass output_final_state=False")
 
-    def memory(q, k, v, knobs):
+    def memory(q, k, v, knobs, restarts=None):
         batch, time, heads = q.shape[:3]
         short = time < chunk_size      # no whole chunk: pad one (the padding is written, never read)
         if short:
@@ -633,8 +634,8 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
             g = zeros
         o, final = chunk_step_memory(q, k, v, knobs["beta"], nu, g, state["params"], state["momentum"],
                                      memory=spec.memory, objective=spec.objective, chunk_size=chunk_size,
-                                     segment=segment, gradient_params=state["point"],
-                                     impl="recurrent" if impl == "recurrent" else "auto",
+                                     segment=segment, gradient_params=None if restarts is not None else state["point"],
+                                     restarts=restarts, impl="recurrent" if impl == "recurrent" else "auto",
                                      output_final_state=output_final_state and not short)
         o = o[:, :time]
         if not output_final_state:
@@ -646,7 +647,13 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
 
     if documents is None:
         return memory(q, k, v, knobs)
-    return _in_document_rows(lambda *args: memory(*args)[0], documents, q, k, v, knobs), None
+    if documents[1] == 1:      # one document a row: a mask
+        return _in_document_rows(lambda *args: memory(*args)[0], documents, q, k, v, knobs), None
+    doc, pos = document_positions(documents[0])
+    dest, length, restarts, _, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1])
+    aligned = lambda y: to_chunk_aligned(y, dest, length)
+    o, _ = memory(aligned(q), aligned(k), aligned(v), jax.tree.map(aligned, knobs), restarts[:, ::chunk_size])
+    return from_chunk_aligned(o, dest, overflow), None
 
 
 # ---- the memory layer ---------------------------------------------------------------------------

@@ -60,8 +60,8 @@ class ChunkStepState(NamedTuple):
     momentum: dict
 
 
-def _check(q, k, v, beta, nu, g, params, momentum, gradient_params, memory, objective, chunk_size, segment,
-           impl, output_final_state):
+def _check(q, k, v, beta, nu, g, params, momentum, gradient_params, restarts, memory, objective, chunk_size,
+           segment, impl, output_final_state):
     """Raises on bad input, naming the argument; returns θ's leaf shapes for one head."""
     where = "chunk_step_memory"
     if impl not in IMPLS:
@@ -90,6 +90,16 @@ def _check(q, k, v, beta, nu, g, params, momentum, gradient_params, memory, obje
         if gate.shape != (B, n_chunks, H):
             raise ValueError(f"{where}: {name} holds one gate per complete chunk: [B, T // chunk_size, H] = "
                              f"{(B, n_chunks, H)}, got {gate.shape}")
+    if restarts is not None:
+        if restarts.shape != (B, n_chunks):
+            raise ValueError(f"{where}: restarts marks the complete chunks a new sequence begins at: [B, T // chunk_size] "
+                             f"= {(B, n_chunks)}, got {restarts.shape}")
+        if segment is not None and segment != chunk_size:
+            raise ValueError(f"{where}: restarts need segment None or segment == chunk_size={chunk_size} (a restart "
+                             f"would move the boundaries of longer segments), got segment={segment}")
+        if gradient_params is not None:
+            raise ValueError(f"{where}: restarts and gradient_params cannot be combined (a restart returns to "
+                             "params); continue a sequence without restarts, or restart from params")
     if output_final_state and T % chunk_size:
         raise ValueError(f"{where}: T={T} is not a multiple of chunk_size={chunk_size}: its last {T % chunk_size} "
                          "tokens are read but not written, so there is no final state after them — pass "
@@ -126,15 +136,18 @@ def _bh(x):
 
 
 # ---- the reference: one chunk at a time --------------------------------------------------------
-def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chunk_size, segment):
+def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment):
     B, T, H, _ = q.shape
     C, N = chunk_size, T // chunk_size
     per_segment = N if segment is None else segment // C
     eta, alpha = _gates(nu, g)
     qs, ks, vs, betas = _bh(q), _bh(k), _bh(v), _bh(jnp.asarray(beta, jnp.float32))
     eta, alpha = jnp.moveaxis(eta, 2, 1), jnp.moveaxis(alpha, 2, 1)
+    restarts = jnp.moveaxis(jnp.zeros((B, N, H), bool) if restarts is None else
+                            jnp.broadcast_to(restarts[..., None], (B, N, H)), 2, 1)
 
-    def one_head(qh, kh, vh, bh, eh, ah, theta, m, point):
+    def one_head(qh, kh, vh, bh, eh, ah, rh, theta, m, point):
+        start = theta
         def token_gradient(point, kt, vt, bt):
             return _step_gradient(memory, objective, point, kt[None], vt[None], bt[None])
 
@@ -144,6 +157,10 @@ def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chun
             # at the point given)
             new_segment = (n % per_segment == 0) & (n > 0)
             point = jax.tree.map(lambda p, w: jnp.where(new_segment, w, p), point, theta)
+            # a new sequence: θ, its gradient point and the momentum return to the call's start
+            restart = rh[n]
+            point, theta = (jax.tree.map(lambda x, s: jnp.where(restart, s, x), tree, start) for tree in (point, theta))
+            m = jax.tree.map(lambda x: jnp.where(restart, 0.0, x), m)
             kc, vc, bc, qc = (jax.lax.dynamic_slice_in_dim(x, n * C, C) for x in (kh, vh, bh, qh))
             grads = jax.vmap(token_gradient, in_axes=(None, 0, 0, 0))(point, kc, vc, bc)
             G = jax.tree.map(lambda x: jnp.sum(x, axis=0), grads)
@@ -159,7 +176,7 @@ def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chun
         tail = memory.apply(theta, qh[N * C:])                    # read, not written
         return jnp.concatenate([outs, tail], axis=0), theta, m
 
-    o, theta, m = jax.vmap(jax.vmap(one_head))(qs, ks, vs, betas, eta, alpha, theta0, m0, point0)
+    o, theta, m = jax.vmap(jax.vmap(one_head))(qs, ks, vs, betas, eta, alpha, restarts, theta0, m0, point0)
     return jnp.moveaxis(o, 1, 2), theta, m
 
 
@@ -199,7 +216,7 @@ def _products(gates):
     return jnp.where(j[..., 0] <= i[..., 0], full, 0.0)
 
 
-def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
+def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype, restart=None, origin=None):
     """m_n = η_n m_{n−1} − G_n, θ_n = α_n θ_{n−1} + m_n over the chunk axis 2 (gates [B, H, N], G
     leaves [B, H, N, ...]). Returns every θ_{n−1} (n = 0..N−1: what the reads take) in ``dtype`` and
     the last θ and m in float32. In a block of chunks that starts from (m, θ):
@@ -210,7 +227,12 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
     with Lη_ij = Π_{j<k≤i} η_k, E_i = Π_{k≤i} η_k (Lα, A the same of α): one product of an [n, n]
     matrix with the block's G per leaf, and no θ-sized value per chunk but the θ_{n−1} returned.
     Every block's own part is computed at once; the blocks' start states are then a short scan of
-    θ-sized steps, one per block (none up to ``BLOCK`` chunks)."""
+    θ-sized steps, one per block (none up to ``BLOCK`` chunks).
+
+    ``restart`` [B, H, N] (1.0 where a new sequence begins before the chunk) returns m to zero and θ
+    to ``origin`` there: η and α become η(1 − r), α(1 − r) and θ takes a source c_i θ_origin with
+    c = α r, so θ_i gains Z_i θ_origin, Z = Lα c. The θ_{i−1} returned are the weights before the
+    restart (what the previous chunk's last token reads)."""
     exact = jax.lax.Precision.HIGHEST
     f32 = dtype == jnp.float32
     N = eta.shape[-1]
@@ -220,6 +242,9 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
     # gates [B, H, blocks, size], G leaves [B, H, blocks, size, ...]
     split = lambda x: x[:, :, :blocks * size].reshape(lead + (blocks, size) + x.shape[3:])
     e, a = split(eta), split(alpha)
+    if restart is not None:
+        r = split(restart)
+        e, a, c = e * (1.0 - r), a * (1.0 - r), a * r
     L_eta, L_alpha = _products(e), _products(a)
     E, A = jnp.cumprod(e, axis=-1), jnp.cumprod(a, axis=-1)
     W = jnp.einsum("...il,...lj->...ij", L_alpha, L_eta, precision=exact)
@@ -228,6 +253,11 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
     W_before = jnp.concatenate([jnp.zeros_like(W[..., :1, :]), W[..., :-1, :]], axis=-2)
     Wm_before = jnp.concatenate([jnp.zeros_like(Wm[..., :1]), Wm[..., :-1]], axis=-1)
     A_before = jnp.concatenate([jnp.ones_like(A[..., :1]), A[..., :-1]], axis=-1)
+    if restart is not None:
+        # θ_origin's share of θ_i and of θ_{i−1} (a restarted chunk's θ_{i−1} is the sequence
+        # before's last: its last token reads it; the caller reads its other tokens at θ_origin)
+        Z = jnp.einsum("...il,...l->...i", L_alpha, c, precision=exact)
+        Z_before = jnp.concatenate([jnp.zeros_like(Z[..., :1]), Z[..., :-1]], axis=-1)
     flat = lambda x: x.reshape(x.shape[:4] + (-1,))            # [B, H, blocks, size, P]
 
     def own_parts(gg):
@@ -243,6 +273,11 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
     before_own, theta_own, m_own = (jax.tree.map(lambda p, i=i: p[i], parts, is_leaf=lambda x: isinstance(x, tuple))
                                     for i in range(3))
     flat_state = lambda x: x.reshape(lead + (-1,))
+    if restart is not None:
+        flat_origin = jax.tree.map(flat_state, origin)           # [B, H, P]
+        theta_own = jax.tree.map(lambda t, o: t + Z[..., -1:] * o[:, :, None, :], theta_own, flat_origin)
+        before_own = jax.tree.map(lambda b, o: b + Z_before[..., None] * o[:, :, None, None, :], before_own,
+                                  flat_origin)
     m_start, theta_start = jax.tree.map(flat_state, m0), jax.tree.map(flat_state, theta0)
 
     def across(carry, xs):
@@ -276,27 +311,36 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype):
     if rest:
         tail = lambda x: x[:, :, blocks * size:]
         more, theta_end, m_end = _momentum_and_decay(tail(eta), tail(alpha), jax.tree.map(tail, G), m_end,
-                                                     theta_end, dtype)
+                                                     theta_end, dtype, None if restart is None else tail(restart),
+                                                     origin)
         thetas_before = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=2), thetas_before, more)
     return thetas_before, theta_end, m_end
 
 
-def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chunk_size, segment):
+def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment):
     B, T, H, D = q.shape
     C, N = chunk_size, T // chunk_size
     per_segment = N if segment is None else min(segment // C, N)
     eta, alpha = (jnp.moveaxis(x, 2, 1) for x in _gates(nu, g))
     chunked = lambda x: _bh(x[:, :N * C]).reshape((B, H, N, C) + x.shape[3:])
-    chunks = (chunked(k), chunked(v), chunked(jnp.asarray(beta, jnp.float32)), eta, alpha)
+    restart = None if restarts is None else jnp.broadcast_to(
+        jnp.asarray(restarts, jnp.float32)[:, None, :], (B, H, N))
+    chunks = (chunked(k), chunked(v), chunked(jnp.asarray(beta, jnp.float32)), eta, alpha,
+              jnp.zeros((B, H, N)) if restart is None else restart)
     chunk_gradients = jax.vmap(jax.vmap(jax.vmap(partial(_step_gradient, memory, objective),
                                                  in_axes=(None, 0, 0, 0))))
 
     def one_segment(carry, xs):
         point, theta, m = carry
-        ks_, vs_, bs_, es_, as_ = xs
+        ks_, vs_, bs_, es_, as_, rs_ = xs
+        if restart is not None and per_segment == 1:
+            # a segment of one chunk: a restart before it takes its gradients at θ_0
+            point = jax.tree.map(lambda p, o: jnp.where(rs_[:, :, 0].reshape(p.shape[:2] + (1,) * (p.ndim - 2)) > 0,
+                                                        o, p), point, theta0)
         # every chunk's gradient at θ_s, in the products' dtype (the recurrence accumulates in float32)
         G = jax.tree.map(lambda x: x.astype(q.dtype), chunk_gradients(point, ks_, vs_, bs_))
-        thetas_before, theta, m = _momentum_and_decay(es_, as_, G, m, theta, q.dtype)
+        thetas_before, theta, m = _momentum_and_decay(es_, as_, G, m, theta, q.dtype,
+                                                      None if restart is None else rs_, theta0)
         return (theta, theta, m), thetas_before
 
     (_, theta_end, m_end), thetas_before = _over_segments(one_segment, (point0, theta0, m0), chunks, per_segment)
@@ -308,23 +352,31 @@ def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chunk
     last = jax.vmap(jax.vmap(memory.apply))(theta_end, shifted[:, :, N])
     read = jnp.concatenate([reads, last[:, :, None]], axis=2)
     o = read.reshape((B, H, (N + 1) * C) + read.shape[4:])[:, :, 1:T + 1]
+    if restart is not None:
+        # a restarted chunk's tokens but its last read the sequence's start, θ_0
+        from_start = jax.vmap(jax.vmap(memory.apply))(theta0, _bh(q))
+        token = jnp.arange(T)
+        chunk = jnp.minimum(token // C, N - 1)
+        reads_start = (restart[:, :, chunk] > 0) & (token % C != C - 1) & (token < N * C)
+        o = jnp.where(reads_start[..., None], from_start.astype(o.dtype), o)
     return jnp.moveaxis(o, 1, 2), theta_end, m_end
 
 
 @partial(jax.jit, static_argnames=("memory", "objective", "chunk_size", "segment", "impl", "output_final_state"))
 def chunk_step_memory(q, k, v, beta, nu, g, params, momentum=None, *, memory: MemoryArch,
                       objective: Objective = L2(), chunk_size: int = 64, segment: int | None = None,
-                      gradient_params=None, impl: str = "auto", output_final_state: bool = False):
+                      gradient_params=None, restarts=None, impl: str = "auto", output_final_state: bool = False):
     """The module docstring's memory. q, k [B, T, H, D], v [B, T, H, Dv]; ``beta`` [B, T, H] per token;
     ``nu`` (momentum gate η) and ``g`` (log decay, α = exp(g)) [B, T // chunk_size, H], one per
     complete chunk; ``params`` θ_0 and ``momentum`` m_{−1} (zeros if None) with leaves [B, H, ...] or
     [H, ...]. Segments count from the call's first chunk. ``gradient_params`` (same leaves; default
     ``params``): the first segment's gradient point θ_s, for a call that continues a sequence whose
     one segment began before it (``segment=None``: a decode step replaying its chunk passes the
-    sequence's θ_0). Returns (o [B, T, H, Dv] in q's dtype,
-    `ChunkStepState` or None)."""
-    per_head = _check(q, k, v, beta, nu, g, params, momentum, gradient_params, memory, objective, chunk_size,
-                      segment, impl, output_final_state)
+    sequence's θ_0). ``restarts`` [B, T // chunk_size] (bool): a new sequence begins at the chunk's
+    first token, from ``params`` with no momentum (packed documents laid out on chunk boundaries;
+    segment None or chunk_size). Returns (o [B, T, H, Dv] in q's dtype, `ChunkStepState` or None)."""
+    per_head = _check(q, k, v, beta, nu, g, params, momentum, gradient_params, restarts, memory, objective,
+                      chunk_size, segment, impl, output_final_state)
     B, _, H, _ = q.shape
     widen = lambda tree: jax.tree.map(
         lambda x, base: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B, H) + base.shape), tree, per_head)
@@ -332,5 +384,5 @@ def chunk_step_memory(q, k, v, beta, nu, g, params, momentum=None, *, memory: Me
     m0 = jax.tree.map(jnp.zeros_like, theta0) if momentum is None else widen(momentum)
     point0 = theta0 if gradient_params is None else widen(gradient_params)
     run = _reference if impl == "recurrent" else _parallel
-    o, theta, m = run(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, chunk_size, segment)
+    o, theta, m = run(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment)
     return o.astype(q.dtype), (ChunkStepState(theta, m) if output_final_state else None)
