@@ -21,7 +21,9 @@ without the norm's gain); and our whole titans memory layer (`models.layers.Memo
 projections, short convolution, gates and output gate included, as titans-pytorch's NeuralMemory
 includes its own), forward+backward with respect to its input and parameters: titans_layer (the
 preset's per-token steps), titans_layer_chunk_steps and titans_layer_chunk_steps_every_chunk (its
-``step_schedule`` "chunk_from_theta0" and "chunk": titans-pytorch's two schedules). With its default ``batch_size=None`` titans-pytorch takes every chunk's
+``step_schedule`` "chunk_from_theta0" and "chunk": titans-pytorch's two schedules), and
+titans_layer_packed / titans_layer_chunk_steps_packed (the same with 8 equal documents packed in
+every row, segment ids as training passes them). With its default ``batch_size=None`` titans-pytorch takes every chunk's
 gradients at the sequence's initial weights (one batched call, no chain from chunk to chunk) and
 applies momentum and decay per chunk; ``batch_size=chunk`` takes each chunk's gradients at the
 weights after the chunk before, the chunk-start point our titans preset uses (Titans §3.2 with
@@ -74,9 +76,11 @@ TORCH_ENTRIES = {TORCH_ENTRY: None, "titans_pytorch_every_chunk": "chunk"}
 # whole sequence, as titans-pytorch's default; "chunk": the chunk size, as its batch_size=chunk)
 CHUNK_STEP_ENTRIES = {"titans_chunk_steps": None, "titans_chunk_steps_every_chunk": "chunk"}
 # our whole titans memory layer (`models.layers.MemoryLayer`: projections, short convolution, gates,
-# output norm and gate, as titans-pytorch's NeuralMemory has its own) -> its step_schedule
-LAYER_ENTRIES = {"titans_layer": "token", "titans_layer_chunk_steps": "chunk_from_theta0",
-                 "titans_layer_chunk_steps_every_chunk": "chunk"}
+# output norm and gate, as titans-pytorch's NeuralMemory has its own) -> (its step_schedule, packed
+# documents a row: 0 for none, M for M equal documents with segment ids, as training packs them)
+LAYER_ENTRIES = {"titans_layer": ("token", 0), "titans_layer_chunk_steps": ("chunk_from_theta0", 0),
+                 "titans_layer_chunk_steps_every_chunk": ("chunk", 0),
+                 "titans_layer_packed": ("token", 8), "titans_layer_chunk_steps_packed": ("chunk_from_theta0", 8)}
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
 SLOW_CALL_S = 2.0
 
@@ -342,9 +346,11 @@ def measure_chunk_steps(B, T, H, D, chunk, compile_only, reps, segment=None, dty
     return row
 
 
-def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, impl="auto", dtype="float32", trace_dir=None):
+def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, documents=0, impl="auto", dtype="float32",
+                  trace_dir=None):
     """Our titans memory layer (width H·D, H heads, float32 parameters, ``dtype`` compute), as a
-    model holds it: jax.vjp of its output with respect to its input and every parameter."""
+    model holds it: jax.vjp of its output with respect to its input and every parameter; with
+    ``documents`` M > 0, each row packs M equal documents (segment ids, max_documents M)."""
     import jax
     from flax import nnx
     from atlas_jax import presets
@@ -352,19 +358,22 @@ def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, impl="auto", 
 
     compute = DTYPES[dtype]
     layer = MemoryLayer(presets.get("titans"), width=H * D, heads=H, impl=impl, chunk_size=chunk,
-                        step_schedule=schedule, rngs=nnx.Rngs(0), dtype=compute)
+                        step_schedule=schedule, max_documents=max(documents, 1), rngs=nnx.Rngs(0), dtype=compute)
     graphdef, params = nnx.split(layer)
     kx, kc = jax.random.split(jax.random.PRNGKey(0))
     x = jax.random.normal(kx, (B, T, H * D)).astype(compute)
     cotangent = jax.random.normal(kc, (B, T, H * D)).astype(compute)
-    forward = lambda params, x: nnx.merge(graphdef, params)(x)
+    import jax.numpy as jnp
+    segment_ids = None if not documents else jnp.broadcast_to(
+        jnp.arange(T, dtype=jnp.int32) * documents // T, (B, T))
+    forward = lambda params, x: nnx.merge(graphdef, params)(x, segment_ids)
 
     @jax.jit
     def fwdbwd(params, x, cotangent):
         out, pullback = jax.vjp(forward, params, x)
         return out, pullback(cotangent)
 
-    row = {"dual_form": None, "step_schedule": schedule}
+    row = {"dual_form": None, "step_schedule": schedule, "documents": documents}
     t = time.perf_counter()
     compiled = fwdbwd.lower(params, x, cotangent).compile()
     row["compile_s"] = time.perf_counter() - t
@@ -413,9 +422,11 @@ def worker(a):
         elif a.worker in LAYER_ENTRIES:
             import_tree(a.root) if a.root else import_tree()
             import jax
-            row["device"], row["form"] = jax.devices()[0].device_kind, f"memory layer, {LAYER_ENTRIES[a.worker]} steps"
+            schedule, documents = LAYER_ENTRIES[a.worker]
+            row["device"] = jax.devices()[0].device_kind
+            row["form"] = f"memory layer, {schedule} steps" + (f", {documents} documents a row" if documents else "")
             trace_dir = None if not a.trace else os.path.join(a.trace, f"{a.worker}_{a.dtype}")
-            row.update(measure_layer(B, T, H, D, a.chunk, a.compile_only, a.reps, LAYER_ENTRIES[a.worker], a.impl,
+            row.update(measure_layer(B, T, H, D, a.chunk, a.compile_only, a.reps, schedule, documents, a.impl,
                                      a.dtype, trace_dir))
         elif a.worker in CHUNK_STEP_ENTRIES:
             import_tree(a.root) if a.root else import_tree()
