@@ -123,3 +123,16 @@ def test_bad_config_names_the_field(overrides, match):
 def test_a_preset_that_cannot_names_why():
     with pytest.raises(ValueError, match=r"step_schedule='chunk'.*'omeganet' cannot: its feature map"):
         build("omeganet", "tiny", rngs=nnx.Rngs(0), step_schedule="chunk")
+
+
+def test_memory_as_context_carries_the_chunk_step_state():
+    # MAC carries the memory's state from segment to segment and reads θ at each segment's start:
+    # on a chunk-step schedule that state is run_chunk_steps'. The output of a prefix is the
+    # output of the whole sequence's prefix (causal across segments and the carried state).
+    model = build("titans_mac", "tiny", rngs=nnx.Rngs(0), chunk_size=C, mac_segment=2 * C, step_schedule="chunk")
+    tokens = jax.random.randint(jax.random.PRNGKey(6), (1, T), 0, 256, dtype=jnp.int32)
+    whole = model(tokens)
+    assert bool(jnp.all(jnp.isfinite(whole)))
+    assert _rel(model(tokens[:, :13])[0], whole[0, :13]) <= 1e-5
+    with pytest.raises(ValueError, match="mac_segment=6 must be a multiple of chunk_size=4"):
+        build("titans_mac", "tiny", rngs=nnx.Rngs(0), chunk_size=C, mac_segment=6, step_schedule="chunk")

@@ -50,6 +50,7 @@ def _reforward_greedy(model, prompt, new):
     ("swa", {}),
     ("titans_mag", {"chunk_size": 8}),
     ("titans_mal", {"chunk_size": 8}),
+    ("titans_mal", {"chunk_size": 8, "step_schedule": "chunk"}),
 ])
 def test_cached_greedy_equals_reforward(name, overrides):
     model = build(name, "tiny", rngs=nnx.Rngs(0), **overrides)

@@ -58,6 +58,10 @@ class MAC(nnx.Module):
         self.persistent = nnx.Param(0.02 * jax.random.normal(rngs.params(), (num_persistent, width), param_dtype))
         self.memory_norm = nnx.RMSNorm(width, epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
         self.segment, self.num_persistent, self.dtype = segment, num_persistent, dtype
+        if memory.step_schedule != "token" and segment % memory.chunk_size:
+            raise ValueError(f"MAC: mac_segment={segment} must be a multiple of chunk_size={memory.chunk_size} on "
+                             f"step_schedule={memory.step_schedule!r}: the memory steps once per whole chunk, and a "
+                             "segment's final state needs whole chunks")
 
     def _read(self, state, x):
         """M_θ(φ(q)) with θ the state at the segment start, for the segment's queries: reading the
@@ -68,7 +72,7 @@ class MAC(nnx.Module):
         coeffs = {} if mem.feature_coeffs is None else {"coeffs": mem.feature_coeffs[...].astype(jnp.float32)}
         fq = spec.feature_map.apply(coeffs, mem.scale * q.astype(jnp.float32))            # [B, S, H, d_φ]
         read = jax.vmap(jax.vmap(spec.memory.apply, in_axes=(0, 1), out_axes=1), in_axes=(0, 0))
-        return read(state.params, fq)                                                     # [B, S, H, V]
+        return read(mem.state_params(state), fq)                                          # [B, S, H, V]
 
     def _attend(self, x, retrieved, segment_start):
         batch, seg = x.shape[:2]
@@ -97,10 +101,7 @@ class MAC(nnx.Module):
         n_seg = -(-time // seg)
         xs = jnp.pad(x, ((0, 0), (0, n_seg * seg - time), (0, 0))).reshape(batch, n_seg, seg, width)
         mem = self.memory
-        theta0 = mem.theta0()
-        state0 = mem.spec.init_state(None, batch=batch, heads=mem.heads, d_k=mem.head_dim, d_v=mem.head_dim,
-                                     params=theta0 if theta0 is not None else
-                                     {"S": jnp.zeros((mem.spec.feature_dim(mem.head_dim), mem.head_dim), jnp.float32)})
+        state0 = mem.start_state(batch)
 
         def one_segment(state, inputs):
             index, x_seg = inputs

@@ -848,6 +848,18 @@ class MemoryLayer(nnx.Module):
             knobs["delta"] = jax.nn.softplus(f32(self.delta_proj(x)))
         return knobs
 
+    def start_state(self, batch: int):
+        """The state a sequence starts from ([B, H, ...] leaves): the core's MemoryState of θ_0, or
+        on a chunk-step schedule run_chunk_steps' {"params", "momentum", "point"}."""
+        if self.step_schedule != "token":
+            return self._chunk_step_state(batch, self.head_dim, self.value_dim)
+        return self.spec._coerce_state(self.theta0(), batch, self.heads, self.head_dim, self.value_dim)
+
+    @staticmethod
+    def state_params(state) -> dict:
+        """θ of a state ``start_state`` or a final state made: what reading the memory applies."""
+        return state["params"] if isinstance(state, dict) else state.params
+
     def _chunk_step_state(self, batch: int | None, head_dim: int, value_dim: int) -> dict:
         """run_chunk_steps' state at a sequence's start: θ_0 ([B, H, ...], as every later state, so
         that a decode cache keeps its shapes; [H, ...] for batch None; zeros for a linear memory), no
@@ -955,11 +967,7 @@ class MemoryLayer(nnx.Module):
         inputs = {"q": q, "k": k, "v": v, "knobs": knobs}
         part = lambda lo, hi: jax.tree.map(lambda y: y[:, lo:hi], inputs)
         # θ_0 as the MemoryState the core makes of it (the cache's memory is always one)
-        batch, _, heads, d = q.shape
-        if self.step_schedule != "token":
-            outputs, state = [], self._chunk_step_state(batch, d, v.shape[-1])
-        else:
-            outputs, state = [], self.spec._coerce_state(self.theta0(), batch, heads, d, v.shape[-1])
+        outputs, state = [], self.start_state(q.shape[0])
         if start > 0:
             head = part(0, start)
             o, state = self._run(head["q"], head["k"], head["v"], head["knobs"], impl=self.impl,
