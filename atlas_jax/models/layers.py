@@ -988,8 +988,29 @@ class MemoryLayer(nnx.Module):
         slot = jnp.asarray(pos, jnp.int32) % size
         put = lambda buf, y: jax.lax.dynamic_update_slice_in_dim(buf, y.astype(buf.dtype), slot, axis=1)
         chunk = jax.tree.map(put, cache["chunk"], {"q": q, "k": k, "v": v, "knobs": knobs})
+        last = slot == size - 1
+        if self.step_schedule != "token":
+            o, state = self._decode_chunk_steps(q, chunk, cache["memory"], last)
+            return o, {"memory": state, "chunk": chunk}
         o, end = self._run(chunk["q"], chunk["k"], chunk["v"], chunk["knobs"], impl=self.impl,
                            initial_state=cache["memory"], output_final_state=True)
-        last = slot == size - 1
         state = jax.tree.map(lambda e, s: jnp.where(last, e, s), end, cache["memory"])
         return jax.lax.dynamic_slice_in_dim(o, slot, 1, axis=1), {"memory": state, "chunk": chunk}
+
+    def _decode_chunk_steps(self, q, chunk, state, last):
+        """A decode step on a chunk-step schedule: a token before its chunk's last reads the weights
+        at the chunk's start, which is all the chunk form computes for it; the chunk's last token
+        runs the chunk (its step, then its read). So C − 1 of every C steps cost one read."""
+        def step(state):
+            o, end = self._run(chunk["q"], chunk["k"], chunk["v"], chunk["knobs"], impl=self.impl,
+                               initial_state=state, output_final_state=True)
+            return o[:, -1:], end
+
+        def read(state):
+            # the chunk form reads θ in q's dtype, the per-chunk reference in float32
+            dtype = jnp.float32 if self.impl == "recurrent" else q.dtype
+            params = jax.tree.map(lambda x: x.astype(dtype), state["params"])
+            apply = jax.vmap(jax.vmap(self.spec.memory.apply, in_axes=(0, 1), out_axes=1))   # over B, then H
+            return (apply(params, q) * self.scale).astype(q.dtype), state
+
+        return jax.lax.cond(last, step, read, state)
