@@ -260,14 +260,23 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype, restart=None, origin=N
         Z_before = jnp.concatenate([jnp.zeros_like(Z[..., :1]), Z[..., :-1]], axis=-1)
     flat = lambda x: x.reshape(x.shape[:4] + (-1,))            # [B, H, blocks, size, P]
 
+    # Where several blocks chain, every block's last θ and m are needed: they join θ_{i−1}'s rows in
+    # one product, which reads each G once (B1 T16384 H8 D128 bf16 on an H200: 8.6 -> 7.7 ms fwd+bwd).
+    # A single block's are dead unless the caller keeps the final state; apart, XLA drops them
+    # (joined, B4 T4096 was 6.5 -> 6.8 ms: the backward pads their zero cotangent rows in).
+    joined = blocks > 1
+
     def own_parts(gg):
         """The block's θ_{i−1}, θ_end and m_end from a zero start, float32."""
         gg = flat(split(gg))
-        before = jnp.einsum("BHNij,BHNjP->BHNiP", W_before.astype(dtype), gg.astype(dtype),
-                            preferred_element_type=jnp.float32, precision=exact if f32 else None)
+        product = lambda rows: jnp.einsum("BHNij,BHNjP->BHNiP", rows.astype(dtype), gg.astype(dtype),
+                                          preferred_element_type=jnp.float32, precision=exact if f32 else None)
+        if joined:
+            out = product(jnp.concatenate([W_before, W[..., -1:, :], L_eta[..., -1:, :]], axis=-2))
+            return -out[..., :size, :], -out[..., size, :], -out[..., size + 1, :]
         theta_end = jnp.einsum("BHNj,BHNjP->BHNP", W[..., -1, :], gg.astype(jnp.float32), precision=exact)
         m_end = jnp.einsum("BHNj,BHNjP->BHNP", L_eta[..., -1, :], gg.astype(jnp.float32), precision=exact)
-        return -before, -theta_end, -m_end
+        return -product(W_before), -theta_end, -m_end
 
     parts = jax.tree.map(own_parts, G)
     before_own, theta_own, m_own = (jax.tree.map(lambda p, i=i: p[i], parts, is_leaf=lambda x: isinstance(x, tuple))
