@@ -322,22 +322,30 @@ def measure_chunk_steps(B, T, H, D, chunk, compile_only, reps, segment=None, dty
         return out, pullback(cotangent)
 
     row = {"dual_form": None, "segment": segment}
+    return _time_vjp(row, fwdbwd, (args, cotangent), forward, args, B * T, compile_only, reps, trace_dir)
+
+
+def _time_vjp(row, fwdbwd, fwdbwd_args, forward, forward_args, tokens, compile_only, reps, trace_dir):
+    """Fills ``row`` for a jitted forward+backward ``fwdbwd(*fwdbwd_args)`` and its ``forward``:
+    compile time, matmul FLOPs, XLA's compiled memory, and unless ``compile_only`` the times,
+    rates, finiteness, the device's peak memory and (``trace_dir``) the trace's kernels."""
+    import jax
     t = time.perf_counter()
-    compiled = fwdbwd.lower(args, cotangent).compile()
+    compiled = fwdbwd.lower(*fwdbwd_args).compile()
     row["compile_s"] = time.perf_counter() - t
-    count = flops.dot_flops(fwdbwd, args, cotangent)
+    count = flops.dot_flops(fwdbwd, *fwdbwd_args)
     row["dot_tflop"] = count.flops / 1e12
     row["compiled_total_GiB"] = compiled_total_gib(compiled)
     if compile_only:
         return row
-    row["fwd_ms"] = time_jax(jax.jit(forward), *args, reps=reps)
-    result = jax.block_until_ready(compiled(args, cotangent))
+    row["fwd_ms"] = time_jax(jax.jit(forward), *forward_args, reps=reps)
+    result = jax.block_until_ready(compiled(*fwdbwd_args))
     row["finite"] = all_finite(result)
-    ms = time_jax(compiled, args, cotangent, reps=reps)
-    _rates(row, count, ms, B * T)
+    ms = time_jax(compiled, *fwdbwd_args, reps=reps)
+    _rates(row, count, ms, tokens)
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
-        kernels, total, _ = trace_kernels(lambda: jax.block_until_ready(compiled(args, cotangent)), trace_dir)
+        kernels, total, _ = trace_kernels(lambda: jax.block_until_ready(compiled(*fwdbwd_args)), trace_dir)
         row["trace_total_ms"] = total
         row["trace_top"] = [(name[:90], round(ms, 3), count) for name, ms, count in kernels]
     stats = jax.devices()[0].memory_stats() or {}
@@ -352,6 +360,7 @@ def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, documents=0, 
     model holds it: jax.vjp of its output with respect to its input and every parameter; with
     ``documents`` M > 0, each row packs M equal documents (segment ids, max_documents M)."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
     from atlas_jax import presets
     from atlas_jax.models.layers import DTYPES, MemoryLayer
@@ -363,7 +372,6 @@ def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, documents=0, 
     kx, kc = jax.random.split(jax.random.PRNGKey(0))
     x = jax.random.normal(kx, (B, T, H * D)).astype(compute)
     cotangent = jax.random.normal(kc, (B, T, H * D)).astype(compute)
-    import jax.numpy as jnp
     segment_ids = None if not documents else jnp.broadcast_to(
         jnp.arange(T, dtype=jnp.int32) * documents // T, (B, T))
     forward = lambda params, x: nnx.merge(graphdef, params)(x, segment_ids)
@@ -374,28 +382,7 @@ def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, documents=0, 
         return out, pullback(cotangent)
 
     row = {"dual_form": None, "step_schedule": schedule, "documents": documents}
-    t = time.perf_counter()
-    compiled = fwdbwd.lower(params, x, cotangent).compile()
-    row["compile_s"] = time.perf_counter() - t
-    count = flops.dot_flops(fwdbwd, params, x, cotangent)
-    row["dot_tflop"] = count.flops / 1e12
-    row["compiled_total_GiB"] = compiled_total_gib(compiled)
-    if compile_only:
-        return row
-    row["fwd_ms"] = time_jax(jax.jit(forward), params, x, reps=reps)
-    result = jax.block_until_ready(compiled(params, x, cotangent))
-    row["finite"] = all_finite(result)
-    ms = time_jax(compiled, params, x, cotangent, reps=reps)
-    _rates(row, count, ms, B * T)
-    if trace_dir:
-        os.makedirs(trace_dir, exist_ok=True)
-        kernels, total, _ = trace_kernels(lambda: jax.block_until_ready(compiled(params, x, cotangent)), trace_dir)
-        row["trace_total_ms"] = total
-        row["trace_top"] = [(name[:90], round(ms, 3), count) for name, ms, count in kernels]
-    stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        row["peak_GiB"] = stats["peak_bytes_in_use"] / 2 ** 30
-    return row
+    return _time_vjp(row, fwdbwd, (params, x, cotangent), forward, (params, x), B * T, compile_only, reps, trace_dir)
 
 
 def _steps(spec, args):

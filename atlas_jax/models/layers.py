@@ -602,11 +602,11 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
 
     ``knobs`` [B, T, H]: β per token, activated ("beta"), and per token the momentum gate's logit
     ("nu_logit") and the decay's raw input ("g_raw", activated by fla's gate with ``decay_params``
-    (A_log [H], dt_bias [H])); a chunk's gates are those of its tokens' mean (titans-pytorch pools a chunk's inputs
-    before its gates' linear maps, which commute with the mean). ``state``: {"params": θ, "momentum":
-    m (None: zeros), "point": the segment's gradient point} with leaves [H, ...] or [B, H, ...];
-    the next state has the same keys, "point" moved on where each chunk is a segment. A sequence
-    shorter than a chunk is read with the state's θ (nothing is written). ``documents``: as
+    (A_log [H], dt_bias [H])). A chunk's gates are those of its tokens' mean: titans-pytorch pools
+    a chunk's inputs before its gates' linear maps, which commute with the mean. ``state``:
+    {"params": θ, "momentum": m (None: zeros), "point": the segment's gradient point} with leaves
+    [H, ...] or [B, H, ...]; the next state has the same keys, "point" moved on where each chunk is
+    a segment. A sequence shorter than a chunk is read with the state's θ (nothing is written). ``documents``: as
     ``run_memory``'s: each document moved to a chunk boundary, the op restarting from ``state``
     there (``chunk_aligned_layout``; about T + M·C tokens of work a row)."""
     from atlas_jax.ops.deep_memory import chunk_step_memory
@@ -852,7 +852,7 @@ class MemoryLayer(nnx.Module):
         """The state a sequence starts from ([B, H, ...] leaves): the core's MemoryState of θ_0, or
         on a chunk-step schedule run_chunk_steps' {"params", "momentum", "point"}."""
         if self.step_schedule != "token":
-            return self._chunk_step_state(batch, self.head_dim, self.value_dim)
+            return self._chunk_step_state(batch)
         return self.spec._coerce_state(self.theta0(), batch, self.heads, self.head_dim, self.value_dim)
 
     @staticmethod
@@ -860,12 +860,12 @@ class MemoryLayer(nnx.Module):
         """θ of a state ``start_state`` or a final state made: what reading the memory applies."""
         return state["params"] if isinstance(state, dict) else state.params
 
-    def _chunk_step_state(self, batch: int | None, head_dim: int, value_dim: int) -> dict:
+    def _chunk_step_state(self, batch: int | None) -> dict:
         """run_chunk_steps' state at a sequence's start: θ_0 ([B, H, ...], as every later state, so
         that a decode cache keeps its shapes; [H, ...] for batch None; zeros for a linear memory), no
         momentum, θ_0 the gradient point."""
         theta = self.theta0()
-        per_head = jax.eval_shape(lambda: self.spec.memory.init(jax.random.PRNGKey(0), head_dim, value_dim))
+        per_head = jax.eval_shape(lambda: self.spec.memory.init(jax.random.PRNGKey(0), self.head_dim, self.value_dim))
         if theta is None:
             theta = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), per_head)
         lead = (self.heads,) if batch is None else (batch, self.heads)
@@ -874,7 +874,7 @@ class MemoryLayer(nnx.Module):
 
     def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None):
         if self.step_schedule != "token":
-            state = initial_state or self._chunk_step_state(None, q.shape[-1], v.shape[-1])
+            state = self._chunk_step_state(None) if initial_state is None else initial_state
             decay = None if self.decay is None else (self.A_log[...], self.dt_bias[...])
             o, final = run_chunk_steps(self.spec, q, k, v, knobs, schedule=self.step_schedule, impl=impl,
                                        chunk_size=self.chunk_size, state=state, decay_params=decay,
@@ -966,7 +966,7 @@ class MemoryLayer(nnx.Module):
         start = length // size * size
         inputs = {"q": q, "k": k, "v": v, "knobs": knobs}
         part = lambda lo, hi: jax.tree.map(lambda y: y[:, lo:hi], inputs)
-        # θ_0 as the MemoryState the core makes of it (the cache's memory is always one)
+        # the cache's memory is always a state of this layer's schedule, [B, H, ...] from the start
         outputs, state = [], self.start_state(q.shape[0])
         if start > 0:
             head = part(0, start)
