@@ -90,6 +90,27 @@ grad = jax.jit(jax.grad(lambda p, t, s: loss(p, t, s, mesh=mesh)), in_shardings=
 hlo = grad.lower(params, tokens, segments).compile().as_text()
 out["restarts_all_gathers"] = hlo.count(" all-gather(") + hlo.count(" all-gather-start(")
 
+# titans-pytorch's schedule (run_chunk_steps) takes packed documents the same way, per shard
+# (its own functions: jit's cache would reuse `loss`'s trace of the titans model above, whose
+# parameters have the same structure, and with it that model's graphdef)
+steps = models.build("titans", "tiny", num_layers=1, vocab_size=64, max_documents=2, impl="chunk", chunk_size=8,
+                     step_schedule="chunk_from_theta0", dtype="float32", rngs=nnx.Rngs(0))
+steps_graphdef, steps_params = nnx.split(steps)
+def steps_loss(params, tokens, segments, mesh=None):
+    model = lambda: jnp.sum(nnx.merge(steps_graphdef, params)(tokens, segments) ** 2) * 1e-3
+    if mesh is None:
+        return model()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return model()
+ref = jax.jit(steps_loss)(steps_params, tokens, segments)
+sharded_loss = lambda p, t, s: steps_loss(p, t, s, mesh=mesh)
+got = jax.jit(sharded_loss, in_shardings=(NamedSharding(mesh, P()), rows, rows))(steps_params, tokens, segments)
+out["chunk_steps_loss_rel"] = float(abs(got - ref) / abs(ref))
+hlo = jax.jit(jax.grad(sharded_loss), in_shardings=(NamedSharding(mesh, P()), rows, rows)
+              ).lower(steps_params, tokens, segments).compile().as_text()
+out["chunk_steps_all_gathers"] = hlo.count(" all-gather(") + hlo.count(" all-gather-start(")
+out["chunk_steps_shard_map"] = "shard_map" in str(jax.make_jaxpr(sharded_loss)(steps_params, tokens, segments))
+
 # the per-device program is one device's program on its rows: the same transposes before XLA's
 # optimisations (a partly automatic shard_map body went through the SPMD partitioner, which added
 # transposes and annotations around the memory's matmuls; on two H200s atlas' per-device step ran
@@ -117,5 +138,7 @@ def test_delta_family_runs_per_batch_shard_under_a_mesh():
     assert out["loss_rel"] < 1e-5 and out["grad_rel"] < 1e-5, out
     assert out["titans_shard_map"] and out["titans_loss_rel"] < 1e-5, out
     assert out["restarts_all_gathers"] == 0, out
+    assert out["chunk_steps_shard_map"] and out["chunk_steps_all_gathers"] == 0, out
+    assert out["chunk_steps_loss_rel"] < 1e-5, out
     assert out["transposes"][0] == out["transposes"][1], out
     assert out["sharding_annotations"] < 20, out

@@ -606,9 +606,11 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
     a chunk's inputs before its gates' linear maps, which commute with the mean. ``state``:
     {"params": θ, "momentum": m (None: zeros), "point": the segment's gradient point} with leaves
     [H, ...] or [B, H, ...]; the next state has the same keys, "point" moved on where each chunk is
-    a segment. A sequence shorter than a chunk is read with the state's θ (nothing is written). ``documents``: as
-    ``run_memory``'s: each document moved to a chunk boundary, the op restarting from ``state``
-    there (``chunk_aligned_layout``; about T + M·C tokens of work a row)."""
+    a segment. A sequence shorter than a chunk is read with the state's θ (nothing is written).
+    ``documents``: as ``run_memory``'s: each document moved to a chunk boundary, the op restarting
+    from ``state`` there (``chunk_aligned_layout``; about T + M·C tokens of work a row). Without a
+    final state and from a state per head, each device of a batch mesh runs its own rows
+    (``per_batch_shard``)."""
     from atlas_jax.ops.deep_memory import chunk_step_memory
     if schedule not in SEGMENT_CHUNKS:
         raise ValueError(f"run_chunk_steps: schedule must be one of {list(SEGMENT_CHUNKS)}, got {schedule!r}")
@@ -616,7 +618,7 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
     if documents is not None and output_final_state:
         raise ValueError("run_chunk_steps: documents (packed rows) return no final state; pass output_final_state=False")
 
-    def memory(q, k, v, knobs, restarts=None):
+    def memory(q, k, v, knobs, state, decay_params, restarts=None):
         batch, time, heads = q.shape[:3]
         short = time < chunk_size      # no whole chunk: pad one (the padding is written, never read)
         if short:
@@ -645,15 +647,32 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
         point = final.params if segment is not None else state["point"]
         return o, {"params": final.params, "momentum": final.momentum, "point": point}
 
-    if documents is None:
-        return memory(q, k, v, knobs)
-    if documents[1] == 1:      # one document a row: a mask
-        return _in_document_rows(lambda *args: memory(*args)[0], documents, q, k, v, knobs), None
-    doc, pos = document_positions(documents[0])
-    dest, length, restarts, _, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1])
-    aligned = lambda y: to_chunk_aligned(y, dest, length)
-    o, _ = memory(aligned(q), aligned(k), aligned(v), jax.tree.map(aligned, knobs), restarts[:, ::chunk_size])
-    return from_chunk_aligned(o, dest, overflow), None
+    if output_final_state:
+        return memory(q, k, v, knobs, state, decay_params)
+
+    def call(rows, shared):
+        """One device's rows (``per_batch_shard``): the layout's scatters have data-dependent indices."""
+        q, k, v, knobs = rows["q"], rows["k"], rows["v"], rows["knobs"]
+        run = lambda q, k, v, knobs, restarts=None: memory(q, k, v, knobs, shared["state"], shared["decay"],
+                                                           restarts)[0]
+        if documents is None:
+            return run(q, k, v, knobs)
+        if documents[1] == 1:      # one document a row: a mask
+            return _in_document_rows(run, (rows["segment_ids"], 1), q, k, v, knobs)
+        doc, pos = document_positions(rows["segment_ids"])
+        dest, length, restarts, _, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1])
+        aligned = lambda y: to_chunk_aligned(y, dest, length)
+        o = run(aligned(q), aligned(k), aligned(v), jax.tree.map(aligned, knobs), restarts[:, ::chunk_size])
+        return from_chunk_aligned(o, dest, overflow)
+
+    rows = {"q": q, "k": k, "v": v, "knobs": knobs}
+    if documents is not None:
+        rows["segment_ids"] = documents[0]
+    shared = {"state": state, "decay": decay_params}
+    per_head = jax.eval_shape(lambda: spec.memory.init(jax.random.PRNGKey(0), q.shape[-1], v.shape[-1]))
+    if all(x.ndim == ref.ndim + 1 for x, ref in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(per_head))):
+        return per_batch_shard(call, rows, q.shape[0], shared), None
+    return call(rows, shared), None        # a state per row: the rows stay whole
 
 
 # ---- the memory layer ---------------------------------------------------------------------------
