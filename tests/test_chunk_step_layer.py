@@ -16,13 +16,9 @@ from atlas_jax.kernels.delta_family.support import fused_gate
 from atlas_jax.models import build
 from atlas_jax.models.layers import MemoryLayer, chunk_steps_refusal
 from atlas_jax.ops.deep_memory import chunk_step_memory
+from helpers import rel as _rel
 
 B, T, WIDTH, HEADS, C = 2, 21, 32, 2, 4     # five chunks and a one-token tail
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _layer(preset, schedule, impl="chunk"):

@@ -71,8 +71,7 @@ class MAC(nnx.Module):
         spec = mem.spec
         coeffs = {} if mem.feature_coeffs is None else {"coeffs": mem.feature_coeffs[...].astype(jnp.float32)}
         fq = spec.feature_map.apply(coeffs, mem.scale * q.astype(jnp.float32))            # [B, S, H, d_φ]
-        read = jax.vmap(jax.vmap(spec.memory.apply, in_axes=(0, 1), out_axes=1), in_axes=(0, 0))
-        return read(mem.state_params(state), fq)                                          # [B, S, H, V]
+        return mem.read(mem.state_params(state), fq)                                      # [B, S, H, V]
 
     def _attend(self, x, retrieved, segment_start):
         batch, seg = x.shape[:2]

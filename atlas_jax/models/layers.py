@@ -879,6 +879,12 @@ class MemoryLayer(nnx.Module):
         """θ of a state ``start_state`` or a final state made: what reading the memory applies."""
         return state["params"] if isinstance(state, dict) else state.params
 
+    def read(self, params, x):
+        """M_θ(x) without a step: θ ``params`` [B, H, ...] per row and head, x [B, S, H, d_in] ->
+        [B, S, H, V] (MAC's retrieval; a chunk-step decode token before its chunk's last)."""
+        apply = jax.vmap(jax.vmap(self.spec.memory.apply, in_axes=(0, 1), out_axes=1))   # over B, then H
+        return apply(params, x)
+
     def _chunk_step_state(self, batch: int | None) -> dict:
         """run_chunk_steps' state at a sequence's start: θ_0 ([B, H, ...], as every later state, so
         that a decode cache keeps its shapes; [H, ...] for batch None; zeros for a linear memory), no
@@ -1029,7 +1035,6 @@ class MemoryLayer(nnx.Module):
             # the chunk form reads θ in q's dtype, the per-chunk reference in float32
             dtype = jnp.float32 if self.impl == "recurrent" else q.dtype
             params = jax.tree.map(lambda x: x.astype(dtype), state["params"])
-            apply = jax.vmap(jax.vmap(self.spec.memory.apply, in_axes=(0, 1), out_axes=1))   # over B, then H
-            return (apply(params, q) * self.scale).astype(q.dtype), state
+            return (self.read(params, q) * self.scale).astype(q.dtype), state
 
         return jax.lax.cond(last, step, read, state)

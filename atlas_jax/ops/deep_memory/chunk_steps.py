@@ -334,22 +334,22 @@ def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, resta
     chunked = lambda x: _bh(x[:, :N * C]).reshape((B, H, N, C) + x.shape[3:])
     restart = None if restarts is None else jnp.broadcast_to(
         jnp.asarray(restarts, jnp.float32)[:, None, :], (B, H, N))
-    chunks = (chunked(k), chunked(v), chunked(jnp.asarray(beta, jnp.float32)), eta, alpha,
-              jnp.zeros((B, H, N)) if restart is None else restart)
+    chunks = (chunked(k), chunked(v), chunked(jnp.asarray(beta, jnp.float32)), eta, alpha)
+    chunks += () if restart is None else (restart,)
     chunk_gradients = jax.vmap(jax.vmap(jax.vmap(partial(_step_gradient, memory, objective),
                                                  in_axes=(None, 0, 0, 0))))
 
     def one_segment(carry, xs):
         point, theta, m = carry
-        ks_, vs_, bs_, es_, as_, rs_ = xs
-        if restart is not None and per_segment == 1:
+        ks_, vs_, bs_, es_, as_, *rs_ = xs
+        rs_ = rs_[0] if rs_ else None
+        if rs_ is not None and per_segment == 1:
             # a segment of one chunk: a restart before it takes its gradients at θ_0
             point = jax.tree.map(lambda p, o: jnp.where(rs_[:, :, 0].reshape(p.shape[:2] + (1,) * (p.ndim - 2)) > 0,
                                                         o, p), point, theta0)
         # every chunk's gradient at θ_s, in the products' dtype (the recurrence accumulates in float32)
         G = jax.tree.map(lambda x: x.astype(q.dtype), chunk_gradients(point, ks_, vs_, bs_))
-        thetas_before, theta, m = _momentum_and_decay(es_, as_, G, m, theta, q.dtype,
-                                                      None if restart is None else rs_, theta0)
+        thetas_before, theta, m = _momentum_and_decay(es_, as_, G, m, theta, q.dtype, rs_, theta0)
         return (theta, theta, m), thetas_before
 
     (_, theta_end, m_end), thetas_before = _over_segments(one_segment, (point0, theta0, m0), chunks, per_segment)
