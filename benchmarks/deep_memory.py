@@ -343,11 +343,21 @@ def _time_vjp(row, fwdbwd, fwdbwd_args, forward, forward_args, tokens, compile_o
     row["finite"] = all_finite(result)
     ms = time_jax(compiled, *fwdbwd_args, reps=reps)
     _rates(row, count, ms, tokens)
-    if trace_dir:
-        os.makedirs(trace_dir, exist_ok=True)
-        kernels, total, _ = trace_kernels(lambda: jax.block_until_ready(compiled(*fwdbwd_args)), trace_dir)
+    if trace_dir:   # device kernels by name, and by the chunk-step op's, the packed layout's and the dual form's parts
+        from atlas_jax.forms.dual import SCOPES as DUAL_SCOPES
+        from atlas_jax.models.layers import LAYOUT_SCOPE
+        from atlas_jax.ops.deep_memory.chunk_steps import SCOPES as CHUNK_STEP_SCOPES
+        os.makedirs(trace_dir, exist_ok=True)   # the optimized HLO: what the trace's fusion names are
+        with open(os.path.join(trace_dir, "fwdbwd_hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
+        scopes = (LAYOUT_SCOPE, CHUNK_STEP_SCOPES["restart_reads"]) + tuple(
+            name for name in CHUNK_STEP_SCOPES.values() if name != CHUNK_STEP_SCOPES["restart_reads"]) + tuple(
+            DUAL_SCOPES.values())
+        kernels, total, parts = trace_kernels(lambda: jax.block_until_ready(compiled(*fwdbwd_args)), trace_dir,
+                                              hlo_text=compiled.as_text(), scopes=scopes)
         row["trace_total_ms"] = total
         row["trace_top"] = [(name[:90], round(ms, 3), count) for name, ms, count in kernels]
+        row["trace_parts_ms"] = {part: round(ms, 3) for part, ms in sorted(parts.items(), key=lambda p: -p[1])}
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         row["peak_GiB"] = stats["peak_bytes_in_use"] / 2 ** 30

@@ -68,8 +68,8 @@ def test_parallel_form_equals_reference(B, T, H, D, Dv, C, segment):
 
 
 def test_blocks_of_chunks(monkeypatch):
-    # the recurrence over chunks runs in blocks (64 chunks on real inputs); blocks of 2 here, so
-    # that 11 chunks make a scan over whole blocks and a rest, in one segment and in several
+    # the recurrence over chunks runs in blocks (up to 64 chunks on real inputs); of up to 2 here,
+    # so that 11 chunks make a scan over blocks and padding, in one segment and in several
     from atlas_jax.ops.deep_memory import chunk_steps
     monkeypatch.setattr(chunk_steps, "BLOCK", 2)
     # BLOCK is read when the op is traced; no other test traces this shape (T 23, chunk 2, D 4)
@@ -78,6 +78,12 @@ def test_blocks_of_chunks(monkeypatch):
         o_ref, _ = run(args, 2, segment, "recurrent", final=False)
         o, _ = run(args, 2, segment, "chunk", final=False)
         assert rel(o, o_ref) < 1e-5
+        # the blocks pad 11 chunks to 12 (one segment) or 3 to 4 (segments of 3): the final state
+        # is the last real chunk's
+        whole = tuple(x[:, :22] for x in args[:4]) + args[4:]
+        for x, y in zip(jax.tree.leaves(run(whole, 2, segment, "chunk")[1]),
+                        jax.tree.leaves(run(whole, 2, segment, "recurrent")[1])):
+            assert rel(x, y) < 1e-5
         ct = jax.random.normal(jax.random.PRNGKey(1), o.shape)
         g_ref = jax.grad(lambda a: jnp.sum(run(a, 2, segment, "recurrent", final=False)[0] * ct))(args)
         g = jax.grad(lambda a: jnp.sum(run(a, 2, segment, "chunk", final=False)[0] * ct))(args)
@@ -190,6 +196,35 @@ def test_restarts_in_blocks(monkeypatch):
     assert rel(o, o_ref) < 1e-5
     for x, y in zip(jax.tree.leaves(s), jax.tree.leaves(s_ref)):
         assert rel(x, y) < 1e-5
+
+
+def test_padding_before_restarts(monkeypatch):
+    # padding_before_restarts (the packed layer's layout leaves a padding token before every
+    # restart): the token before a restart reads θ_0 and every other output is as without it; the
+    # parallel form (blocks of 3 over 11 chunks, padded to 12) against the reference, outputs,
+    # final state and every gradient
+    from atlas_jax.ops.deep_memory import chunk_steps
+    monkeypatch.setattr(chunk_steps, "BLOCK", 3)
+    C = 2
+    args = make(2, 22, 2, 4, 4, C, seed=4)
+    restarts = jnp.asarray([[0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 1]], bool)
+    call = lambda a, impl, padding=True, final=True: chunk_step_memory(
+        *a, memory=MLP, chunk_size=C, restarts=restarts, padding_before_restarts=padding, impl=impl,
+        output_final_state=final)
+    (o_ref, s_ref), (o, s) = call(args, "recurrent"), call(args, "chunk")
+    assert rel(o, o_ref) < 1e-5
+    for x, y in zip(jax.tree.leaves(s), jax.tree.leaves(s_ref)):
+        assert rel(x, y) < 1e-5
+    before_restart = jnp.zeros((2, 22), bool).at[:, :-C].set(jnp.repeat(restarts[:, 1:], C, axis=1) &
+                                                                 (jnp.arange(20) % C == C - 1))
+    exact, _ = call(args, "recurrent", padding=False)
+    assert bool(jnp.all(jnp.where(before_restart[..., None, None], True, o_ref == exact)))
+    assert float(jnp.min(jnp.max(jnp.abs(o_ref - exact), axis=(2, 3))[before_restart])) > 1e-3
+    ct = jax.random.normal(jax.random.PRNGKey(5), o.shape)
+    grad = lambda impl: jax.grad(lambda a: jnp.sum(call(a, impl, final=False)[0] * ct))(args)
+    for path, x, y in zip(jax.tree_util.tree_leaves_with_path(args), jax.tree.leaves(grad("chunk")),
+                          jax.tree.leaves(grad("recurrent"))):
+        assert rel(x, y) < 1e-5, jax.tree_util.keystr(path[0])
 
 
 def test_linear_memory_closed_form():

@@ -127,3 +127,23 @@ def test_models_with_restarts_equal_document_rows(monkeypatch, preset="titans"):
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
         assert float(jnp.max(jnp.abs(g - w))) <= 1e-5 * float(jnp.max(jnp.abs(w))) + 1e-12
+
+
+@pytest.mark.parametrize("gap", [False, True])
+def test_chunk_aligned_layout(gap):
+    # every document starts a chunk, keeps its order and length, and fits the static length; with
+    # a gap the token before each restart is padding (what chunk_step_memory's
+    # padding_before_restarts asks of its caller)
+    doc = jnp.asarray([[i for i, (s0, s1) in enumerate(bs) for _ in range(s1 - s0)] for bs in BOUNDS])
+    pos = jnp.asarray([[t - s0 for (s0, s1) in bs for t in range(s0, s1)] for bs in BOUNDS])
+    dest, length, restarts, valid, overflow = layers.chunk_aligned_layout(doc, pos, C, 3, gap=gap)
+    assert length == -(-(T + 3 * (C - 1 + gap)) // C) * C and not bool(overflow.any())
+    for b, bounds in enumerate(BOUNDS):
+        starts = [int(dest[b, s0]) for s0, _ in bounds]
+        assert all(s % C == 0 for s in starts) and starts == sorted(starts)
+        assert all(int(dest[b, s1 - 1]) - int(dest[b, s0]) == s1 - 1 - s0 for s0, s1 in bounds)
+        assert [int(t) for t in np.flatnonzero(np.asarray(restarts[b]))] == starts
+        assert int(valid[b].sum()) == T
+        before = [bool(valid[b, s - 1]) for s in starts[1:]]
+        # row 0's first document is a whole chunk: without a gap the next one follows it directly
+        assert (not any(before)) if gap else before == ([True, False] if b == 0 else [False])

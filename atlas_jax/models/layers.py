@@ -166,12 +166,14 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
             if documents[1] == 1 or not takes_restarts(spec, impl):
                 return _in_document_rows(memory, (rows["segment_ids"], documents[1]), rows["q"], rows["k"],
                                          rows["v"], rows["knobs"])
-            doc, pos = document_positions(rows["segment_ids"])
-            dest, length, restarts, valid, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1])
-            aligned = lambda y: to_chunk_aligned(y, dest, length)
-            o = memory(aligned(rows["q"]), aligned(rows["k"]), aligned(rows["v"]), jax.tree.map(aligned, rows["knobs"]),
-                       restarts=restarts, valid=valid)
-            return from_chunk_aligned(o, dest, overflow)
+            with jax.named_scope(LAYOUT_SCOPE):
+                doc, pos = document_positions(rows["segment_ids"])
+                dest, length, restarts, valid, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1])
+                aligned = lambda y: to_chunk_aligned(y, dest, length)
+                q, k, v, knobs = aligned(rows["q"]), aligned(rows["k"]), aligned(rows["v"]), jax.tree.map(aligned, rows["knobs"])
+            o = memory(q, k, v, knobs, restarts=restarts, valid=valid)
+            with jax.named_scope(LAYOUT_SCOPE):
+                return from_chunk_aligned(o, dest, overflow)
 
         shared = {"initial_state": initial_state, "feature_params": feature_params}
         return per_batch_shard(call, rows, q.shape[0], shared), None
@@ -285,23 +287,30 @@ def takes_restarts(spec, impl: str) -> bool:
     return impl == "recurrent" or not (is_exact(spec) or is_omega_exact(spec))
 
 
-def chunk_aligned_layout(doc, pos, chunk_size: int, max_documents: int):
+# jax.named_scope of the packed rows' chunk-aligned layout (its scatters and gathers): a profile
+# attributes their kernels to it (benchmarks/deep_memory.py --trace).
+LAYOUT_SCOPE = "packed_layout"
+
+
+def chunk_aligned_layout(doc, pos, chunk_size: int, max_documents: int, *, gap: bool = False):
     """Packed rows -> rows where every document starts on a chunk boundary (zeros pad each to a
     multiple of ``chunk_size``), so a chunk-start form restarts exactly where a document does.
+    ``gap``: every document is followed by at least one padding token, so the token before each
+    restart is padding (``chunk_step_memory``'s ``padding_before_restarts``).
 
     Returns (dest [B, T] each token's position in the new rows, length T' (a multiple of
     ``chunk_size``, room for max_documents documents), restarts [B, T'] at each document's first
     position, valid [B, T'] on the documents' tokens (False on the padding), overflow [B, T]:
-    tokens of documents past max_documents). T' ≤ T + M·(C − 1), where
+    tokens of documents past max_documents). T' ≤ T + M·(C − 1) (T + M·C with ``gap``), where
     one row per document (``to_document_rows``) costs M·T."""
     batch, time = doc.shape
     c, m = chunk_size, max_documents
     clipped = jnp.minimum(doc, m - 1)
     b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
     lengths = jnp.zeros((batch, m), jnp.int32).at[b, clipped].add(1)
-    padded = (lengths + c - 1) // c * c
+    padded = (lengths + c - 1 + gap) // c * c
     offsets = jnp.cumsum(padded, axis=1) - padded                          # [B, M]
-    length = -(-(time + m * (c - 1)) // c) * c
+    length = -(-(time + m * (c - 1 + gap)) // c) * c
     overflow = doc >= m
     dest = jnp.where(overflow, length, offsets[b, clipped] + pos)            # out of range: dropped
     starts = jnp.where(lengths > 0, offsets, length)
@@ -311,18 +320,51 @@ def chunk_aligned_layout(doc, pos, chunk_size: int, max_documents: int):
     return dest, length, restarts, valid, overflow
 
 
-def to_chunk_aligned(x, dest, length: int):
-    """[B, T, ...] -> [B, T', ...] by ``chunk_aligned_layout``'s dest (zeros between documents)."""
+@jax.custom_vjp
+def _take_rows(x, index, taken, inverse, inverse_taken):
+    """out[b, i] = x[b, index[b, i]] where taken[b, i], else 0: rows moved by a one-to-one map
+    between the taken positions and x's ``inverse_taken`` ones (``inverse`` its inverse). Its
+    transpose is the same gather by the inverse, where autodiff would scatter-add."""
+    return _gather_rows(x, index, taken)
+
+
+def _gather_rows(x, index, taken):
+    batch = index.shape[0]
+    out = x[jnp.arange(batch)[:, None], jnp.clip(index, 0, x.shape[1] - 1)]
+    return jnp.where(taken.reshape(taken.shape + (1,) * (out.ndim - 2)), out, jnp.zeros((), out.dtype))
+
+
+def _take_rows_fwd(x, index, taken, inverse, inverse_taken):
+    return _gather_rows(x, index, taken), (inverse, inverse_taken)
+
+
+def _take_rows_bwd(residuals, d_out):
+    inverse, inverse_taken = residuals
+    return _gather_rows(d_out, inverse, inverse_taken), None, None, None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _source_positions(dest, length: int):
+    """[B, T'] the packed position each chunk-aligned position holds (T where it holds padding)."""
     batch, time = dest.shape
     b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
-    return jnp.zeros((batch, length) + x.shape[2:], x.dtype).at[b, dest].set(x, mode="drop")
+    positions = jnp.broadcast_to(jnp.arange(time, dtype=jnp.int32), (batch, time))
+    return jnp.full((batch, length), time, jnp.int32).at[b, dest].set(positions, mode="drop")
+
+
+def to_chunk_aligned(x, dest, length: int):
+    """[B, T, ...] -> [B, T', ...] by ``chunk_aligned_layout``'s dest (zeros between documents).
+    A gather both ways (forward and backward): the layout is one-to-one on the documents' tokens."""
+    source = _source_positions(dest, length)
+    return _take_rows(x, source, source < dest.shape[1], dest, dest < length)
 
 
 def from_chunk_aligned(y, dest, overflow):
     """Inverse of ``to_chunk_aligned``; tokens of documents past max_documents become NaN."""
-    batch, time = dest.shape
-    b = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, time))
-    out = y[b, jnp.minimum(dest, y.shape[1] - 1)]
+    source = _source_positions(dest, y.shape[1])
+    out = _take_rows(y, dest, dest < y.shape[1], source, source < dest.shape[1])
     return jnp.where(overflow.reshape(overflow.shape + (1,) * (out.ndim - 2)), jnp.nan, out)
 
 
@@ -637,7 +679,8 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
         o, final = chunk_step_memory(q, k, v, knobs["beta"], nu, g, state["params"], state["momentum"],
                                      memory=spec.memory, objective=spec.objective, chunk_size=chunk_size,
                                      segment=segment, gradient_params=None if restarts is not None else state["point"],
-                                     restarts=restarts, impl="recurrent" if impl == "recurrent" else "auto",
+                                     restarts=restarts, padding_before_restarts=restarts is not None,
+                                     impl="recurrent" if impl == "recurrent" else "auto",
                                      output_final_state=output_final_state and not short)
         o = o[:, :time]
         if not output_final_state:
@@ -659,11 +702,16 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
             return run(q, k, v, knobs)
         if documents[1] == 1:      # one document a row: a mask
             return _in_document_rows(run, (rows["segment_ids"], 1), q, k, v, knobs)
-        doc, pos = document_positions(rows["segment_ids"])
-        dest, length, restarts, _, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1])
-        aligned = lambda y: to_chunk_aligned(y, dest, length)
-        o = run(aligned(q), aligned(k), aligned(v), jax.tree.map(aligned, knobs), restarts[:, ::chunk_size])
-        return from_chunk_aligned(o, dest, overflow)
+        with jax.named_scope(LAYOUT_SCOPE):
+            doc, pos = document_positions(rows["segment_ids"])
+            # a gap after every document: the token before a restart is padding, so the op reads
+            # it where it reads the restarted chunk (no read of the whole row at θ_0 for it)
+            dest, length, restarts, _, overflow = chunk_aligned_layout(doc, pos, chunk_size, documents[1], gap=True)
+            aligned = lambda y: to_chunk_aligned(y, dest, length)
+            q, k, v, knobs = aligned(q), aligned(k), aligned(v), jax.tree.map(aligned, knobs)
+        o = run(q, k, v, knobs, restarts[:, ::chunk_size])
+        with jax.named_scope(LAYOUT_SCOPE):
+            return from_chunk_aligned(o, dest, overflow)
 
     rows = {"q": q, "k": k, "v": v, "knobs": knobs}
     if documents is not None:

@@ -136,7 +136,8 @@ def _bh(x):
 
 
 # ---- the reference: one chunk at a time --------------------------------------------------------
-def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment):
+def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment,
+               padding_before_restarts=False):
     B, T, H, _ = q.shape
     C, N = chunk_size, T // chunk_size
     per_segment = N if segment is None else segment // C
@@ -168,6 +169,9 @@ def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, rest
             m = jax.tree.map(lambda mm, gg: eh[n] * mm - gg, m, G)
             theta = jax.tree.map(lambda w, mm: ah[n] * w + mm, theta, m)
             after = memory.apply(theta, qc[-1:])                  # its last token
+            if padding_before_restarts:   # padding before the next chunk's restart: read at its start
+                restarts_next = rh[jnp.minimum(n + 1, N - 1)] & (n + 1 < N)
+                after = jnp.where(restarts_next, memory.apply(start, qc[-1:]), after)
             out = jnp.concatenate([before[:-1], after], axis=0)
             return (point, theta, m), out
 
@@ -184,6 +188,10 @@ def _reference(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, rest
 # A block's linear recurrence is one product with an [n, n] matrix of gate products; blocks of this
 # many chunks keep that product's n² per parameter small against the parameters' own traffic.
 BLOCK = 64
+# jax.named_scope names of the parallel form's parts: a profile attributes its kernels to them
+# (benchmarks/deep_memory.py --trace).
+SCOPES = {"gradients": "chunk_steps_gradients", "momentum_decay": "chunk_steps_momentum_decay",
+          "reads": "chunk_steps_reads", "restart_reads": "chunk_steps_restart_reads"}
 
 
 def _over_segments(step, carry, xs, size):
@@ -216,10 +224,21 @@ def _products(gates):
     return jnp.where(j[..., 0] <= i[..., 0], full, 0.0)
 
 
-def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype, restart=None, origin=None):
+def _blocks(n: int) -> tuple[int, int]:
+    """(blocks, size): the fewest blocks of at most ``BLOCK`` chunks, all of one size; blocks·size
+    may pass n by fewer than ``blocks`` chunks, which the caller pads."""
+    if n <= BLOCK:
+        return 1, n
+    blocks = -(-n // BLOCK)
+    return blocks, -(-n // blocks)
+
+
+def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype, restart=None, origin=None, end_row=None,
+                        restarted_rows_read_origin=False):
     """m_n = η_n m_{n−1} − G_n, θ_n = α_n θ_{n−1} + m_n over the chunk axis 2 (gates [B, H, N], G
-    leaves [B, H, N, ...]). Returns every θ_{n−1} (n = 0..N−1: what the reads take) in ``dtype`` and
-    the last θ and m in float32. In a block of chunks that starts from (m, θ):
+    leaves [B, H, N, ...], N = blocks·size of `_blocks`). Returns every θ_{n−1} (n = 0..N−1: what
+    the reads take) in ``dtype`` and the last θ and m in float32. In a block of chunks that starts
+    from (m, θ):
 
         m_i = E_i m − Σ_j Lη_ij G_j,    θ_i = A_i θ + Σ_l Lα_il m_l
             = A_i θ + (Lα E)_i m − Σ_j (Lα Lη)_ij G_j
@@ -229,18 +248,23 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype, restart=None, origin=N
     Every block's own part is computed at once; the blocks' start states are then a short scan of
     θ-sized steps, one per block (none up to ``BLOCK`` chunks).
 
-    ``restart`` [B, H, N] (1.0 where a new sequence begins before the chunk) returns m to zero and θ
-    to ``origin`` there: η and α become η(1 − r), α(1 − r) and θ takes a source c_i θ_origin with
-    c = α r, so θ_i gains Z_i θ_origin, Z = Lα c. The θ_{i−1} returned are the weights before the
-    restart (what the previous chunk's last token reads)."""
+    ``end_row``: the chunks from it on are the caller's padding (G = 0, η = 1, so m is unchanged
+    through them): the θ returned is then θ_{end_row − 1}, row ``end_row`` of the θ_{n−1}, in
+    float32. ``restart`` [B, H, N] (1.0 where a new sequence begins before the chunk) returns m to
+    zero and θ to ``origin`` there: η and α become η(1 − r), α(1 − r) and θ takes a source
+    c_i θ_origin with c = α r, so θ_i gains Z_i θ_origin, Z = Lα c. A restarted chunk's θ_{i−1} is
+    the weights before the restart (what the chunk before's last token reads), or with
+    ``restarted_rows_read_origin`` θ_origin (what the restarted chunk's other tokens read)."""
     exact = jax.lax.Precision.HIGHEST
     f32 = dtype == jnp.float32
     N = eta.shape[-1]
-    blocks, rest = divmod(N, BLOCK) if N > BLOCK else (1, 0)
-    size = N if N <= BLOCK else BLOCK
+    blocks, size = _blocks(N)
+    if blocks * size != N:
+        raise ValueError(f"_momentum_and_decay: {N} chunks are not {blocks} blocks of one size; pad them to "
+                         f"{blocks * size} (chunk_steps._blocks)")
     lead = eta.shape[:2]
     # gates [B, H, blocks, size], G leaves [B, H, blocks, size, ...]
-    split = lambda x: x[:, :, :blocks * size].reshape(lead + (blocks, size) + x.shape[3:])
+    split = lambda x: x.reshape(lead + (blocks, size) + x.shape[3:])
     e, a = split(eta), split(alpha)
     if restart is not None:
         r = split(restart)
@@ -285,8 +309,6 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype, restart=None, origin=N
     if restart is not None:
         flat_origin = jax.tree.map(flat_state, origin)           # [B, H, P]
         theta_own = jax.tree.map(lambda t, o: t + Z[..., -1:] * o[:, :, None, :], theta_own, flat_origin)
-        before_own = jax.tree.map(lambda b, o: b + Z_before[..., None] * o[:, :, None, None, :], before_own,
-                                  flat_origin)
     m_start, theta_start = jax.tree.map(flat_state, m0), jax.tree.map(flat_state, theta0)
 
     def across(carry, xs):
@@ -309,24 +331,79 @@ def _momentum_and_decay(eta, alpha, G, m0, theta0, dtype, restart=None, origin=N
         starts = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2), starts)
     m_starts, theta_starts = starts                          # [B, H, blocks, P]
 
-    def before(own, w, mm, like):
-        coef = lambda c, x: c[..., None] * x[:, :, :, None, :]
-        out = own + coef(A_before, w) + coef(Wm_before, mm)
-        return out.astype(dtype).reshape(lead + (blocks * size,) + like.shape[3:])
+    # θ_{i−1} = own_i + Σ_k coefficient_ik · start_k over the block's start states (θ, m and, with
+    # restarts, θ_origin); a restarted row that reads θ_origin keeps none of the rest
+    coefficients = [A_before, Wm_before] + ([] if restart is None else [Z_before])
+    keep = None
+    if restart is not None and restarted_rows_read_origin:
+        keep = 1.0 - r
+        coefficients = [c * keep for c in coefficients[:2]] + [Z_before * keep + r]
+    coefficients = jnp.stack(coefficients, axis=-1)                # [B, H, blocks, size, K]
 
-    thetas_before = jax.tree.map(before, before_own, theta_starts, m_starts, G)
+    def before(own, w, mm, origin=None):
+        starts = [w, mm] + ([] if origin is None else [jnp.broadcast_to(origin[:, :, None], w.shape)])
+        return _rows_from_starts(own, coefficients, jnp.stack(starts, axis=3), keep)
+
+    if restart is None:
+        thetas_f32 = jax.tree.map(before, before_own, theta_starts, m_starts)
+    else:
+        thetas_f32 = jax.tree.map(before, before_own, theta_starts, m_starts, flat_origin)
+    rows_of = lambda x, like: x.reshape(lead + (N,) + like.shape[2:])
+    thetas_before = jax.tree.map(lambda x, like: rows_of(x, like).astype(dtype), thetas_f32, theta0)
+    if end_row is not None:
+        theta_end = jax.tree.map(lambda x, like: rows_of(x, like)[:, :, end_row], thetas_f32, theta0)
     unflat = lambda x, like: x.reshape(like.shape)
     theta_end, m_end = jax.tree.map(unflat, theta_end, theta0), jax.tree.map(unflat, m_end, m0)
-    if rest:
-        tail = lambda x: x[:, :, blocks * size:]
-        more, theta_end, m_end = _momentum_and_decay(tail(eta), tail(alpha), jax.tree.map(tail, G), m_end,
-                                                     theta_end, dtype, None if restart is None else tail(restart),
-                                                     origin)
-        thetas_before = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=2), thetas_before, more)
     return thetas_before, theta_end, m_end
 
 
-def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment):
+@jax.custom_vjp
+def _rows_from_starts(own, coefficients, starts, keep=None):
+    """keep_i · own_i + Σ_k coefficients_ik · starts_k: own [B, H, blocks, size, P], coefficients
+    [B, H, blocks, size, K], starts [B, H, blocks, K, P], keep [B, H, blocks, size] or None (1),
+    float32. The forward is one elementwise pass. The backward takes the starts' cotangent as one
+    product with the coefficients and the coefficients' as reductions over P, where XLA's transpose
+    of the broadcasts reduced the rows' cotangent once per coefficient and start. titans' layer on
+    an H200, bf16 fwd+bwd, one command against the broadcasts alone: B4 T4096 8.7 against 9.4 ms,
+    with 8 packed documents a row 10.5 against 11.7; the op at B1 T16384 7.9 against 7.7
+    (benchmarks/results/titans_packed_layout_h200_2026-11-30.md)."""
+    return _rows_from_starts_fwd(own, coefficients, starts, keep)[0]
+
+
+def _rows_from_starts_fwd(own, coefficients, starts, keep):
+    out = own if keep is None else keep[..., None] * own
+    for j in range(starts.shape[3]):
+        out = out + coefficients[..., j, None] * starts[:, :, :, None, j]
+    return out, (coefficients, starts, keep)
+
+
+def _rows_from_starts_bwd(residuals, d_out):
+    coefficients, starts, keep = residuals
+    exact = jax.lax.Precision.HIGHEST
+    d_own = d_out if keep is None else keep[..., None] * d_out
+    # a row's coefficients: reductions over P (as a product, K-sized tiles of a P-long contraction
+    # ran 1.3 ms at B4 T4096 on an H200, against one pass over d_out as reductions)
+    d_coefficients = jnp.stack([jnp.sum(d_out * starts[:, :, :, None, k], axis=-1)
+                                for k in range(starts.shape[3])], axis=-1)
+    d_starts = jnp.einsum("BHNik,BHNiP->BHNkP", coefficients, d_out, precision=exact)
+    # keep comes of restart flags, which take no gradient
+    return d_own, d_coefficients, d_starts, None if keep is None else jnp.zeros_like(keep)
+
+
+_rows_from_starts.defvjp(_rows_from_starts_fwd, _rows_from_starts_bwd)
+
+
+def _pad_chunks(xs, amount: int):
+    """Pads the chunk axis 2 of a segment's (k, v, β, η, α[, restart]) with ``amount`` chunks that
+    change nothing the caller keeps: β = 0 (no gradient), η = α = 1 (m carried), no restart."""
+    def pad(x, value):
+        return jnp.pad(x, [(0, 0), (0, 0), (0, amount)] + [(0, 0)] * (x.ndim - 3), constant_values=value)
+    values = (0.0, 0.0, 0.0, 1.0, 1.0, 0.0)
+    return tuple(pad(x, value) for x, value in zip(xs, values))
+
+
+def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment,
+              padding_before_restarts=False):
     B, T, H, D = q.shape
     C, N = chunk_size, T // chunk_size
     per_segment = N if segment is None else min(segment // C, N)
@@ -338,43 +415,69 @@ def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, resta
     chunks += () if restart is None else (restart,)
     chunk_gradients = jax.vmap(jax.vmap(jax.vmap(partial(_step_gradient, memory, objective),
                                                  in_axes=(None, 0, 0, 0))))
+    # One segment for the whole sequence (segment None): padded with at least one chunk where its
+    # blocks need any, the θ_{n−1} it returns are every read's, the last chunk's included (row N).
+    one_segment_padded = per_segment == N and _blocks(N)[0] * _blocks(N)[1] > N
 
-    def one_segment(carry, xs):
+    def one_segment(carry, xs, keep_padding=False):
         point, theta, m = carry
+        n = xs[0].shape[2]
+        blocks, size = _blocks(n)
+        padding = blocks * size - n
+        if padding:
+            xs = _pad_chunks(xs, padding)
         ks_, vs_, bs_, es_, as_, *rs_ = xs
         rs_ = rs_[0] if rs_ else None
-        if rs_ is not None and per_segment == 1:
+        if rs_ is not None and n == 1:
             # a segment of one chunk: a restart before it takes its gradients at θ_0
             point = jax.tree.map(lambda p, o: jnp.where(rs_[:, :, 0].reshape(p.shape[:2] + (1,) * (p.ndim - 2)) > 0,
                                                         o, p), point, theta0)
         # every chunk's gradient at θ_s, in the products' dtype (the recurrence accumulates in float32)
-        G = jax.tree.map(lambda x: x.astype(q.dtype), chunk_gradients(point, ks_, vs_, bs_))
-        thetas_before, theta, m = _momentum_and_decay(es_, as_, G, m, theta, q.dtype, rs_, theta0)
+        with jax.named_scope(SCOPES["gradients"]):
+            G = jax.tree.map(lambda x: x.astype(q.dtype), chunk_gradients(point, ks_, vs_, bs_))
+        with jax.named_scope(SCOPES["momentum_decay"]):
+            thetas_before, theta, m = _momentum_and_decay(
+                es_, as_, G, m, theta, q.dtype, rs_, theta0, end_row=n if padding else None,
+                restarted_rows_read_origin=padding_before_restarts)
+        if padding and not keep_padding:
+            thetas_before = jax.tree.map(lambda x: x[:, :, :n], thetas_before)
         return (theta, theta, m), thetas_before
 
-    (_, theta_end, m_end), thetas_before = _over_segments(one_segment, (point0, theta0, m0), chunks, per_segment)
-    # Token t reads θ_{r(t)}, r(t) = ⌊(t+1)/C⌋ − 1: shifted by one, the queries fall into chunks
-    # 0..N; chunk j < N reads θ_{j−1} (θ_{−1} = θ_0) and chunk N the last θ.
-    shifted = jnp.pad(_bh(q), [(0, 0), (0, 0), (1, (N + 1) * C - T - 1), (0, 0)])
-    shifted = shifted.reshape((B, H, N + 1, C, D))
-    reads = jax.vmap(jax.vmap(jax.vmap(memory.apply)))(thetas_before, shifted[:, :, :N])
-    last = jax.vmap(jax.vmap(memory.apply))(theta_end, shifted[:, :, N])
-    read = jnp.concatenate([reads, last[:, :, None]], axis=2)
-    o = read.reshape((B, H, (N + 1) * C) + read.shape[4:])[:, :, 1:T + 1]
-    if restart is not None:
-        # a restarted chunk's tokens but its last read the sequence's start, θ_0
-        from_start = jax.vmap(jax.vmap(memory.apply))(theta0, _bh(q))
-        token = jnp.arange(T)
-        chunk = jnp.minimum(token // C, N - 1)
-        reads_start = (restart[:, :, chunk] > 0) & (token % C != C - 1) & (token < N * C)
-        o = jnp.where(reads_start[..., None], from_start.astype(o.dtype), o)
+    if one_segment_padded:
+        (_, theta_end, m_end), thetas_before = one_segment((point0, theta0, m0), chunks, keep_padding=True)
+    else:
+        (_, theta_end, m_end), thetas_before = _over_segments(one_segment, (point0, theta0, m0), chunks,
+                                                               per_segment)
+    with jax.named_scope(SCOPES["reads"]):
+        # Token t reads θ_{r(t)}, r(t) = ⌊(t+1)/C⌋ − 1: shifted by one, the queries fall into chunks
+        # 0..N; chunk j < N reads θ_{j−1} (θ_{−1} = θ_0) and chunk N the last θ, which a padded
+        # segment's rows hold (row N), else read on its own.
+        rows = jax.tree.leaves(thetas_before)[0].shape[2]
+        read_rows = max(rows, N + 1)
+        shifted = jnp.pad(_bh(q), [(0, 0), (0, 0), (1, read_rows * C - T - 1), (0, 0)])
+        shifted = shifted.reshape((B, H, read_rows, C, D))
+        read = jax.vmap(jax.vmap(jax.vmap(memory.apply)))(thetas_before, shifted[:, :, :rows])
+        if rows == N:
+            last = jax.vmap(jax.vmap(memory.apply))(theta_end, shifted[:, :, N])
+            read = jnp.concatenate([read, last[:, :, None]], axis=2)
+        o = read.reshape((B, H, read.shape[2] * C) + read.shape[4:])[:, :, 1:T + 1]
+    if restart is not None and not padding_before_restarts:
+        with jax.named_scope(SCOPES["restart_reads"]):
+            # a restarted chunk's tokens but its last read the sequence's start, θ_0
+            from_start = jax.vmap(jax.vmap(memory.apply))(theta0, _bh(q))
+            token = jnp.arange(T)
+            chunk = jnp.minimum(token // C, N - 1)
+            reads_start = (restart[:, :, chunk] > 0) & (token % C != C - 1) & (token < N * C)
+            o = jnp.where(reads_start[..., None], from_start.astype(o.dtype), o)
     return jnp.moveaxis(o, 1, 2), theta_end, m_end
 
 
-@partial(jax.jit, static_argnames=("memory", "objective", "chunk_size", "segment", "impl", "output_final_state"))
+@partial(jax.jit, static_argnames=("memory", "objective", "chunk_size", "segment", "impl", "output_final_state",
+                                   "padding_before_restarts"))
 def chunk_step_memory(q, k, v, beta, nu, g, params, momentum=None, *, memory: MemoryArch,
                       objective: Objective = L2(), chunk_size: int = 64, segment: int | None = None,
-                      gradient_params=None, restarts=None, impl: str = "auto", output_final_state: bool = False):
+                      gradient_params=None, restarts=None, padding_before_restarts: bool = False,
+                      impl: str = "auto", output_final_state: bool = False):
     """The module docstring's memory. q, k [B, T, H, D], v [B, T, H, Dv]; ``beta`` [B, T, H] per token;
     ``nu`` (momentum gate η) and ``g`` (log decay, α = exp(g)) [B, T // chunk_size, H], one per
     complete chunk; ``params`` θ_0 and ``momentum`` m_{−1} (zeros if None) with leaves [B, H, ...] or
@@ -383,9 +486,16 @@ def chunk_step_memory(q, k, v, beta, nu, g, params, momentum=None, *, memory: Me
     one segment began before it (``segment=None``: a decode step replaying its chunk passes the
     sequence's θ_0). ``restarts`` [B, T // chunk_size] (bool): a new sequence begins at the chunk's
     first token, from ``params`` with no momentum (packed documents laid out on chunk boundaries;
-    segment None or chunk_size). Returns (o [B, T, H, Dv] in q's dtype, `ChunkStepState` or None)."""
+    segment None or chunk_size). ``padding_before_restarts``: the token before every restart (the
+    chunk before's last) is padding whose output the caller drops; it is then read at ``params``
+    like the restarted chunk's tokens, not at the weights before the restart, which spares a read of
+    the whole sequence at ``params``. Returns (o [B, T, H, Dv] in q's dtype, `ChunkStepState` or
+    None)."""
     per_head = _check(q, k, v, beta, nu, g, params, momentum, gradient_params, restarts, memory, objective,
                       chunk_size, segment, impl, output_final_state)
+    if padding_before_restarts and restarts is None:
+        raise ValueError("chunk_step_memory: padding_before_restarts says how the token before each restart is "
+                         "read; pass restarts too (or leave it False)")
     B, _, H, _ = q.shape
     widen = lambda tree: jax.tree.map(
         lambda x, base: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B, H) + base.shape), tree, per_head)
@@ -393,5 +503,6 @@ def chunk_step_memory(q, k, v, beta, nu, g, params, momentum=None, *, memory: Me
     m0 = jax.tree.map(jnp.zeros_like, theta0) if momentum is None else widen(momentum)
     point0 = theta0 if gradient_params is None else widen(gradient_params)
     run = _reference if impl == "recurrent" else _parallel
-    o, theta, m = run(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment)
+    o, theta, m = run(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, restarts, chunk_size, segment,
+                      padding_before_restarts)
     return o.astype(q.dtype), (ChunkStepState(theta, m) if output_final_state else None)
