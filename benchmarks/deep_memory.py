@@ -23,7 +23,8 @@ includes its own), forward+backward with respect to its input and parameters: ti
 preset's per-token steps), titans_layer_chunk_steps and titans_layer_chunk_steps_every_chunk (its
 ``step_schedule`` "chunk_from_theta0" and "chunk": titans-pytorch's two schedules), and
 titans_layer_packed / titans_layer_chunk_steps_packed (the same with 8 equal documents packed in
-every row, segment ids as training passes them). With its default ``batch_size=None`` titans-pytorch takes every chunk's
+every row, segment ids as training passes them); omeganet_layer / atlas_layer (NS per chunk) and
+their _packed: the same layer around those memories. With its default ``batch_size=None`` titans-pytorch takes every chunk's
 gradients at the sequence's initial weights (one batched call, no chain from chunk to chunk) and
 applies momentum and decay per chunk; ``batch_size=chunk`` takes each chunk's gradients at the
 weights after the chunk before, the chunk-start point our titans preset uses (Titans §3.2 with
@@ -80,7 +81,11 @@ CHUNK_STEP_ENTRIES = {"titans_chunk_steps": None, "titans_chunk_steps_every_chun
 # documents a row: 0 for none, M for M equal documents with segment ids, as training packs them)
 LAYER_ENTRIES = {"titans_layer": ("token", 0), "titans_layer_chunk_steps": ("chunk_from_theta0", 0),
                  "titans_layer_chunk_steps_every_chunk": ("chunk", 0),
-                 "titans_layer_packed": ("token", 8), "titans_layer_chunk_steps_packed": ("chunk_from_theta0", 8)}
+                 "titans_layer_packed": ("token", 8), "titans_layer_chunk_steps_packed": ("chunk_from_theta0", 8),
+                 "omeganet_layer": ("token", 0), "omeganet_layer_packed": ("token", 8),
+                 "atlas_layer": ("token", 0), "atlas_layer_packed": ("token", 8)}
+# a layer entry's memory, as ENTRIES builds it (atlas: Newton–Schulz per chunk); titans for the rest
+LAYER_PRESETS = {"omeganet": "omeganet", "atlas": "atlas"}
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
 SLOW_CALL_S = 2.0
 
@@ -365,7 +370,7 @@ def _time_vjp(row, fwdbwd, fwdbwd_args, forward, forward_args, tokens, compile_o
 
 
 def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, documents=0, impl="auto", dtype="float32",
-                  trace_dir=None):
+                  trace_dir=None, entry="titans"):
     """Our titans memory layer (width H·D, H heads, float32 parameters, ``dtype`` compute), as a
     model holds it: jax.vjp of its output with respect to its input and every parameter; with
     ``documents`` M > 0, each row packs M equal documents (segment ids, max_documents M)."""
@@ -376,7 +381,8 @@ def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, documents=0, 
     from atlas_jax.models.layers import DTYPES, MemoryLayer
 
     compute = DTYPES[dtype]
-    layer = MemoryLayer(presets.get("titans"), width=H * D, heads=H, impl=impl, chunk_size=chunk,
+    spec = presets.get("titans") if entry == "titans" else build(entry)
+    layer = MemoryLayer(spec, width=H * D, heads=H, impl=impl, chunk_size=chunk,
                         step_schedule=schedule, max_documents=max(documents, 1), rngs=nnx.Rngs(0), dtype=compute)
     graphdef, params = nnx.split(layer)
     kx, kc = jax.random.split(jax.random.PRNGKey(0))
@@ -423,8 +429,10 @@ def worker(a):
             row["device"] = jax.devices()[0].device_kind
             row["form"] = f"memory layer, {schedule} steps" + (f", {documents} documents a row" if documents else "")
             trace_dir = None if not a.trace else os.path.join(a.trace, f"{a.worker}_{a.dtype}")
+            memory_entry = next((LAYER_PRESETS[p] for p in LAYER_PRESETS if a.worker.startswith(p + "_")), "titans")
+            row["memory"] = memory_entry
             row.update(measure_layer(B, T, H, D, a.chunk, a.compile_only, a.reps, schedule, documents, a.impl,
-                                     a.dtype, trace_dir))
+                                     a.dtype, trace_dir, entry=memory_entry))
         elif a.worker in CHUNK_STEP_ENTRIES:
             import_tree(a.root) if a.root else import_tree()
             import jax
