@@ -208,18 +208,22 @@ def test_super_chunks_of_the_grouped_scan_equal_the_materialising_form(name, chu
 def test_super_chunks_only_where_the_chunk_end_is_linear():
     """Which presets the grouped scan runs in super-chunks: GD and implicit GD with gradients at θ₀
     (omeganet, dla, ttt_mlp) and Muon with NS per chunk (atlas: `dual._muon_super_chunk`); not
-    momentum's chunk end (titans), a retention map (moneta), forget-first decay (gradients at P_t θ₀)
-    or packed documents (a restart inside a super-chunk)."""
+    momentum's chunk end (titans), a retention map (moneta) or forget-first decay (gradients at
+    P_t θ₀). Packed documents (restarts) only through the super-chunk chain (GD on a depth-2 MLP):
+    not atlas' Muon."""
     from atlas_jax import optimizers as inner_opt
     n_super = dual.SUPER_CHUNK
     expect = {"omeganet": n_super, "dla": n_super, "ttt_mlp": n_super, "ttt_mlp_implicit": n_super, "titans": 1,
               "atlas": n_super, "moneta": 1, "omeganet_forget_first": 1}
+    packed_expect = {**expect, "atlas": 1}
     for name, n in expect.items():
         spec = _spec(name)
         steps = _one_sequence_steps(spec, 4, 4, 16)
-        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), steps) == n, name
+        params = jax.tree.map(lambda x: x[0, 0], spec.init_state(jax.random.PRNGKey(0), batch=1, heads=1, d_k=4,
+                                                                 d_v=4).params)
+        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), steps, params) == n, name
         packed = steps._replace(restart=jnp.zeros((16,)))
-        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), packed) == 1, name
+        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), packed, params) == packed_expect[name], name
 
 
 def test_which_presets_keep_super_chunks_at_their_start_at_d128():
@@ -646,3 +650,43 @@ def _one_sequence_steps(spec, K, V, T):
                  log_decay=-ones if spec.retention.needs_gate else None,
                  momentum_decay=ones if spec.opt_kind in ("momentum", "muon") else None, gates=ones,
                  delta=jnp.ones((T, V)) if spec.objective.uses_delta else None, active=ones)
+
+
+@pytest.mark.parametrize("name,chunk,T", [("omeganet", 4, 45), ("dla", 4, 37)], ids=["omeganet-C4-T45", "dla-C4-T37"])
+def test_super_chunks_restart_packed_documents(name, chunk, T, monkeypatch):
+    """Packed documents (restarts at chunk boundaries) in super-chunks of 3: a restart at a
+    super-chunk's first chunk starts it from the initial state, one at a later chunk decays θ to
+    zero there with the initial θ as a source (and resets W1 and the Omega window): outputs and
+    every gradient against the materialising form, which restarts chunk by chunk."""
+    chains = []
+    chain = dual._chain
+    monkeypatch.setattr(dual, "_chain", lambda *a, **kw: chains.append(a[-1] is not None) or chain(*a, **kw))
+    monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
+    monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
+    monkeypatch.setattr(dual, "SUPER_CHUNK", 3)
+    spec = _spec(name)
+    B, H, K, V = 2, 2, 4, 4
+    q, k, v, knobs, state, feature_params = _inputs(spec, 1, B, T, H, K, V, per_position_gates=name == "omeganet")
+    # row 0: restarts at chunks 0, 2 (inside the first super-chunk) and 4; row 1: 0, 3 (a super-chunk's
+    # first chunk) and 7 (its second)
+    restarts = jnp.zeros((B, T), bool).at[0, jnp.asarray([0, 2, 4]) * chunk].set(True)
+    restarts = restarts.at[1, jnp.asarray([0, 3, 7]) * chunk].set(True)
+    probe = jax.random.normal(jax.random.PRNGKey(11), v.shape)
+
+    def outputs_and_grads():
+        def loss(q, k, v, knobs, params, feature_params):
+            o, _ = spec(q, k, v, **knobs, initial_state=state._replace(params=params), impl="chunk", chunk_size=chunk,
+                        feature_params=feature_params, restarts=restarts)
+            return jnp.sum(o * probe), o
+        grads, o = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))(
+            q, k, v, knobs, state.params, feature_params)
+        return o, grads
+
+    with chunked.dual_form():
+        o_dual, g_dual = outputs_and_grads()
+    with chunked.materialising():
+        o_ref, g_ref = outputs_and_grads()
+    assert any(chains), "the super-chunk chain did not run with restarts"
+    assert rel(o_dual, o_ref) < 1e-5
+    for label, ga, gb in zip(["q", "k", "v", "knobs", "initial params", "feature coefficients"], g_dual, g_ref):
+        assert tree_rel(ga, gb) < 1e-5, label

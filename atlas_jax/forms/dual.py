@@ -71,6 +71,7 @@ from atlas_jax.forms.common import (
     Steps,
     WindowCache,
     decay_matrix,
+    restarted,
     restarting_chunks,
     safe_log,
 )
@@ -672,17 +673,29 @@ class _LowRankStart:
                                    self.operands) + self.decay * w for key, w in self.base.items()}
 
 
-def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None):
+def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None,
+                 initial: MemoryState | None = None):
     """``SUPER_CHUNK`` chunks of the grouped scan with θ formed once, at their end: chunk k > 0
     takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`, or for a
     depth-2 MLP the super-chunk chain, `_chain`): what
     `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
     where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀, no
-    restarts: `_super_chunks`); Muon's chunk end through `_muon_super_chunk`."""
+    restarts: `_super_chunks`); Muon's chunk end through `_muon_super_chunk`. Steps with restarts
+    (packed documents, ``initial`` the state a sequence starts from) run through the chain only: a
+    restart at the first chunk starts the super-chunk from ``initial``, one at a later chunk decays
+    θ to zero there with ``initial``'s θ as a source (`ops.deep_memory.chain_weights`), and a chunk
+    with a restart after its first step gives NaN outputs (`restarting_chunks`)."""
+    restart = None if xs.restart is None else xs.restart[:, 0]
+    if restart is not None:
+        if initial is None or opt_info.kind == "muon" or not _chain_covers(spec, carry.params):
+            raise NotImplementedError("_super_chunk: restarts run through the super-chunk chain only (`_super_chunks`)")
+        carry = restarted(carry, initial, restart[0])
+        inside = jnp.any(xs.restart[:, 1:] > 0, axis=1)                 # [S]
     if opt_info.kind == "muon":
         return _muon_super_chunk(spec, opt_info, features, carry, xs, padding_chunks, operands)
     chain = _chain_covers(spec, carry.params)
-    parts = _super_chunk_terms(spec, opt_info, features, carry, xs, padding_chunks, joined_rows=chain)
+    parts = _super_chunk_terms(spec, opt_info, features, carry, xs, padding_chunks, joined_rows=chain,
+                               initial_window=None if initial is None or restart is None else initial.window)
     terms, win, joined, raw_keys, raw_sources = parts
     with jax.named_scope(SCOPES["chunk_source"]):
         # every sub-chunk's sources and queries times θ_B's first layer: one matmul per weight,
@@ -693,8 +706,21 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
         base_products = _kept(first_layer_products(spec, carry.params, *terms, extra=extra, operands=operands,
                                                    rows=joined))
     if chain:
+        origin = None
+        if restart is not None:
+            with jax.named_scope(SCOPES["chunk_source"]):
+                # the rows' products with the sequences' start θ, which a sub-chunk after a restart
+                # reads: a second set of the base products' matmuls (omeganet's layer, B1 T4096 H8
+                # D128 bf16 with 8 documents a row: 7.38 TFLOP of matmuls fwd+bwd, against 5.40 on the
+                # per-chunk route and 3.68 without documents; the per-chunk route ran at a third of
+                # the super-chunks' TFLOP/s on an H200; this path is not yet timed on a GPU)
+                origin = (restart, initial.params, first_layer_products(spec, initial.params, *terms, operands=operands,
+                                                                         rows=joined))
         params_end, outputs = _chain(spec, carry.params, features, terms, base_products, joined, raw_keys,
-                                     raw_sources, xs.queries if features is not None else None, operands)
+                                     raw_sources, xs.queries if features is not None else None, operands, origin)
+        if restart is not None:
+            b = xs.active.shape[1]
+            outputs = jnp.where(jnp.repeat(inside, b)[:, None], jnp.nan, outputs)
         return carry._replace(params=params_end, window=win), outputs
     start = _LowRankStart(carry.params, features, operands)
     outputs = []
@@ -713,7 +739,8 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     return carry._replace(params=params_end, window=win), jnp.concatenate(outputs)
 
 
-def _super_chunk_terms(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks, joined_rows):
+def _super_chunk_terms(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks, joined_rows,
+                       initial_window=None):
     """A super-chunk's θ-free part: (every sub-chunk's `ChunkTerms`, the window cache after it, the
     joined φ rows of `_super_chunk_rows` where ``joined_rows`` and the chunks are at least c − 1
     long (else None), the raw keys [S·b, d] and every sub-chunk's sources' raw keys, for φ's
@@ -736,6 +763,8 @@ def _super_chunk_terms(spec, opt_info, features, carry: MemoryState, xs: Steps, 
             joined = _super_chunk_rows(features, xs, carry.window, n_sub, b, n_window)
         for k in range(n_sub):
             xc = jax.tree.map(lambda x: x[k], xs)
+            if initial_window is not None and k:   # a restart: the sequence's own (empty) window
+                win = jax.tree.map(lambda i, w: jnp.where(xc.restart[0] > 0, i.astype(w.dtype), w), initial_window, win)
             raw_window = None if raw_keys is None or not n_window or k * b < n_window else raw_keys[k * b - n_window:k * b]
             rows = None if joined is None else (joined[k * n:(k + 1) * n], joined[n_sub * n + k * b:n_sub * n + (k + 1) * b])
             t = chunk_terms(spec, opt_info, features, xc, win, raw_window, rows)
@@ -985,14 +1014,16 @@ def _chain_covers(spec, params) -> bool:
     return type(spec.objective) in (L2, Dot)
 
 
-def _chain(spec, params, features, terms, base_products, joined, raw_keys, raw_sources, raw_queries, operands):
+def _chain(spec, params, features, terms, base_products, joined, raw_keys, raw_sources, raw_queries, operands,
+           origin=None):
     """`_super_chunk`'s sub-chunks after their products with θ_B (``base_products``) through the
     super-chunk chain (`ops.deep_memory.dual_chain`): every Gram matrix of a sub-chunk's rows with
     an earlier one's sources at once, then the chain, then θ after the super-chunk (the wide
     weights' updates in one matmul, from the sub-chunks' sources as the first rows of ``joined``,
     `_super_chunk_rows`' buffer, or joined here where that is None; ``raw_keys`` [S·b, d],
     ``raw_sources`` (per sub-chunk) and ``raw_queries`` [S, b, d]: the raw k and scale·q, for φ's
-    kernel). Returns (θ after it, outputs [S·b, dv])."""
+    kernel). ``origin``: (restarts [S], θ_origin, its `first_layer_products` of the same rows) for
+    packed documents (`_super_chunk`). Returns (θ after it, outputs [S·b, dv])."""
     from atlas_jax.ops.deep_memory.dual_chain import dual_chain_reference
 
     kernel = features if features is not None and features.has_kernel else None
@@ -1015,12 +1046,22 @@ def _chain(spec, params, features, terms, base_products, joined, raw_keys, raw_s
             gram_src, gram_q = _chain_grams_by_chunk(kernel, terms, sources, cached, raw_sources, raw_queries)
     from_start = jnp.stack([t.from_start for t in terms])
     state_rows = jnp.stack([t.state_rows for t in terms])
+    restarts = {}
+    if origin is not None:
+        restart, params_origin, origin_products = origin
+        restarts = dict(restarts=restart,
+                        origin_sources=jnp.stack([jnp.concatenate([o[key][0] for key in wide], axis=1)
+                                                  for o in origin_products]),
+                        origin_queries=jnp.stack([jnp.concatenate([o[key][1] for key in wide], axis=1)
+                                                  for o in origin_products]),
+                        w1_origin=params_origin["W1"])
     with jax.named_scope(SCOPES["chunk_read"]):
         # the Gram matrices ([S, rows, S, n]: small) are kept for the grouped scan's backward
         out = dual_chain_reference(jnp.stack(base_src), jnp.stack(base_q), _kept(gram_src), _kept(gram_q),
                                    params["W1"], jnp.stack([t.src_targets for t in terms]), from_start, state_rows,
                                    activation=spec.memory.activation, skip=skip,
-                                   objective="l2" if spec.objective.name == "l2" else "dot", operands=operands)
+                                   objective="l2" if spec.objective.name == "l2" else "dot", operands=operands,
+                                   **restarts)
     with jax.named_scope(SCOPES["chunk_end"]):
         # the sources' rows of the buffer the base products read: joining them again took 4.1 of
         # omeganet's 63 ms (B1 T4096 H8 bf16 fwd+bwd, H200 trace; the layer 60.3 -> 58.2 ms)
@@ -1034,6 +1075,8 @@ def _chain(spec, params, features, terms, base_products, joined, raw_keys, raw_s
         column = 0
         for key, part in zip(wide, weighted):
             params_end[key] = update[:, column:column + part.shape[1]] + out.end_decay * params[key]
+            if origin is not None:
+                params_end[key] = params_end[key] + out.end_origin * origin[1][key]
             column += part.shape[1]
     return params_end, out.outputs.reshape((n_sub * out.outputs.shape[1],) + out.outputs.shape[2:])
 
@@ -1077,13 +1120,18 @@ def _chain_grams_by_chunk(kernel, terms, sources, cached, raw_sources, raw_queri
     return jnp.stack(gram_src), jnp.stack(gram_q)
 
 
-def _super_chunks(spec, opt_info, steps: Steps) -> int:
+def _super_chunks(spec, opt_info, steps: Steps, params=None) -> int:
     """Chunks per `_super_chunk` of the grouped scan: SUPER_CHUNK where θ's chunk end is linear
     in the chunk's gradients (GD, implicit GD) or Muon's (linear in them up to Newton–Schulz, which
-    `_muon_super_chunk` takes from the momentum's Gram matrix), else 1."""
+    `_muon_super_chunk` takes from the momentum's Gram matrix), else 1. With restarts (packed
+    documents) only where the super-chunk chain runs (GD or implicit GD on a depth-2 MLP, `_chain`),
+    which restarts inside a super-chunk (θ decays to zero there and takes θ_0 as a source)."""
     linear = opt_info.kind in ("gd", "implicit_gd", "muon") and not spec.retention.has_map
     at_start = spec.retention.decay == "none" or spec.retention.decoupled
-    return SUPER_CHUNK if linear and at_start and steps.restart is None else 1
+    if steps.restart is not None and not (opt_info.kind in ("gd", "implicit_gd") and params is not None
+                                          and _chain_covers(spec, params)):
+        return 1
+    return SUPER_CHUNK if linear and at_start else 1
 
 
 def _schedule(spec, opt_info, state: MemoryState, steps: Steps, n_chunks: int, b: int, boundary_bytes_per_token):
@@ -1092,7 +1140,7 @@ def _schedule(spec, opt_info, state: MemoryState, steps: Steps, n_chunks: int, b
     super-chunks kept at their start (S, S, True), or groups of chunks or super-chunks (G, S, False)."""
     if keeps_every_chunk_state(state, b, boundary_bytes_per_token):
         return 1, 1, False
-    per_super = _super_chunks(spec, opt_info, steps)
+    per_super = _super_chunks(spec, opt_info, steps, state.params)
     if per_super > 1 and _carried_bytes(state) <= per_super * b * SUPER_CHUNK_BYTES_PER_TOKEN:
         per_super = -(-n_chunks // -(-n_chunks // per_super))   # balanced: < 1 chunk of padding a super-chunk
         return per_super, per_super, per_super > 1
@@ -1155,7 +1203,7 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         else:
             chunk = jax.checkpoint(
                 lambda carry, xs: _super_chunk(spec, opt_info, features, carry, xs, padding_chunks=pad >= b,
-                                               operands=operands),
+                                               operands=operands, initial=state),
                 policy=policy)
         # Not unrolled (CHUNK_UNROLL): on an H200 unrolling by 4 made omeganet B1 T1024 H8 D128 bf16
         # fwd+bwd 45.1 -> 42.1 ms and atlas 190.2 -> 185.9, but XLA's compiled memory at B1 T4096

@@ -31,6 +31,11 @@ and the reads of its b steps t, θ_t = f_t θ_k + Σ_s M[t, s] a_s δ_sᵀ (f = 
 
 The super-chunk's end θ is then p_S θ_B + Σ_j A_jᵀ (w_Sj ⊙ [D_j | E_j]) for the wide weights
 (``end_decay`` and ``end_weights`` of the outputs; one matmul in the caller) and W1_S from here.
+
+Packed documents restart θ at chunk boundaries. A restart at chunk k > 0 is a decay to zero
+there (p and w vanish from k on) plus θ_origin as a source of weight z_k, which then decays as θ
+does: the rows read z_k (x θ_origin[W]) besides p_k (x θ_B[W]), W1 starts again from θ_origin's,
+and the end θ gains z_S θ_origin (``end_origin``).
 """
 
 from __future__ import annotations
@@ -55,27 +60,40 @@ class ChainOutputs(NamedTuple):
     outputs: jax.Array   # the reads [S, b, dv]
     end_decay: jax.Array     # p_S: θ_B's weight in the super-chunk's end θ []
     end_weights: jax.Array   # w_S [S, n]: every source's weight in it (the wide weights' end, in the caller)
+    end_origin: jax.Array    # z_S: θ_origin's weight in it [] (0 without restarts)
 
 
-def chain_weights(from_start, state_rows):
+def chain_weights(from_start, state_rows, restarts=None):
     """(p, w): p [S + 1] the decay from the super-chunk's start to the start of chunk k (p_S: its
     end), w [S + 1, S, n] the weight of chunk j's sources in chunk k's start θ (zero for j ≥ k).
     from_start [S, b], state_rows [S, b, n] (`forms.dual.ChunkTerms`, one per chunk). Products of
     decays in log space would lose the exact zeros of a fully decayed chunk; S is small, so the
-    products are formed directly."""
+    products are formed directly.
+
+    ``restarts`` [S] (1.0 where a new sequence starts at chunk k, k ≥ 1, from θ_origin): θ decays to
+    zero there and takes θ_origin as a source, so the result is (p, w, z) with z [S + 1] θ_origin's
+    weight in chunk k's start θ."""
     S = from_start.shape[0]
     decay_end, rows_end = from_start[:, -1], state_rows[:, -1]
     p = [jnp.ones((), jnp.float32)]
     w = [jnp.zeros((S,) + rows_end.shape[1:], jnp.float32)]
+    z = [jnp.zeros((), jnp.float32)]
     for k in range(S):
         p.append(p[-1] * decay_end[k])
         w.append((decay_end[k] * w[-1]).at[k].set(rows_end[k]))
-    return jnp.stack(p), jnp.stack(w)
+        z.append(z[-1] * decay_end[k])
+        if restarts is not None and k + 1 < S:
+            kept = 1.0 - restarts[k + 1]
+            p[-1], w[-1], z[-1] = kept * p[-1], kept * w[-1], kept * z[-1] + restarts[k + 1]
+    if restarts is None:
+        return jnp.stack(p), jnp.stack(w)
+    return jnp.stack(p), jnp.stack(w), jnp.stack(z)
 
 
 def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries, w1, targets, from_start,
                          state_rows, *, activation: str = "gelu", skip: bool = False, objective: str = "l2",
-                         operands=None) -> ChainOutputs:
+                         operands=None, restarts=None, origin_sources=None, origin_queries=None,
+                         w1_origin=None) -> ChainOutputs:
     """The module docstring's chain for one sequence and head, in XLA: the sources chunk after
     chunk, then every chunk's reads at once (none feeds a later chunk).
 
@@ -85,7 +103,11 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
     chunk j's sources (entries j > k are not read; for the sources j = k neither); w1 [h, dv];
     targets [S, n, dv]; from_start [S, b]; state_rows [S, b, n]. ``operands``: the dtype the
     products with W1 take their operands in (`forms.dual.operand_dtype`); the Gram products are
-    float32. Returns `ChainOutputs`."""
+    float32. ``restarts`` [S] (packed documents: 1.0 where a new sequence starts at chunk k ≥ 1,
+    from θ_origin; `chain_weights`) with ``origin_sources`` / ``origin_queries`` (the rows'
+    products with θ_origin's wide weights, shaped as the base ones) and ``w1_origin`` (its W1):
+    the earlier chunks' sources and θ_B weigh nothing from a restart on, θ_origin's products take
+    their place and W1 starts again from ``w1_origin``. Returns `ChainOutputs`."""
     if objective not in OBJECTIVES:
         raise ValueError(f"dual_chain_reference: argument `objective` must be one of {OBJECTIVES}; got {objective!r}.")
     S, n, b, (h, dv) = targets.shape[0], targets.shape[1], from_start.shape[-1], w1.shape
@@ -99,8 +121,14 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
             raise ValueError(f"dual_chain_reference: argument `{name}` must have shape {shape} (from targets "
                              f"[S, n, dv], from_start [S, b], w1 [h, dv], skip={skip}); got {tuple(x.shape)}.")
     act = ACTIVATIONS[activation]
-    p, w = chain_weights(from_start, state_rows)
     f32 = lambda x: x.astype(jnp.float32)
+    if restarts is None:
+        (p, w), z = chain_weights(from_start, state_rows), None
+    else:
+        if origin_sources is None or origin_queries is None or w1_origin is None:
+            raise ValueError("dual_chain_reference: restarts need `origin_sources`, `origin_queries` and `w1_origin` "
+                             "(θ_origin's products and W1)")
+        p, w, z = chain_weights(from_start, state_rows, restarts)
     # The sources, chunk after chunk: only they carry the chain (chunk k's D, E and W1_k need the
     # earlier chunks'). The reads need nothing of a later chunk, so they follow as batched products
     # over the S chunks, not as S more sets of small ops inside the chain (omeganet B1 T4096 H8
@@ -109,6 +137,9 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
     history = None   # [k·n, h (+ dv)]: the earlier chunks' D (and E), grown by one chunk at a time
     for k in range(S):
         src = p[k] * f32(base_sources[k])
+        if z is not None and k:
+            src = src + z[k] * f32(origin_sources[k])
+            w1 = jnp.where(restarts[k] > 0, w1_origin, w1)
         if k:
             src = src + (f32(gram_sources[k][:, :k]) * w[k, :k]).reshape(n, k * n) @ history
         hidden, act_vjp = jax.vjp(act, src[:, :h])
@@ -136,10 +167,13 @@ def dual_chain_reference(base_sources, base_queries, gram_sources, gram_queries,
     own = jnp.einsum("KBKN->KBN", f32(gram_queries)) * state_rows                    # M ⊙ Gq_kk [S, b, n]
     mixing = jnp.where(chunk_j < chunk_k, earlier, 0.0)
     mixing = jnp.where(chunk_j == chunk_k, own[:, :, None, :], mixing).reshape(S * b, S * n)
-    pre = (from_start * p[:S, None])[..., None] * f32(base_queries) + (mixing @ history).reshape(S, b, -1)
+    start_products = p[:S, None, None] * f32(base_queries)
+    if z is not None:
+        start_products = start_products + z[:S, None, None] * f32(origin_queries)
+    pre = from_start[..., None] * start_products + (mixing @ history).reshape(S, b, -1)
     hidden_q = act(pre[..., :h])
     outputs = (from_start[..., None] * product(hidden_q, w1_all, "nn", operands)
                + jnp.einsum("KBN,KNV->KBV", state_rows * jnp.einsum("KBH,KNH->KBN", hidden_q, hidden_all), e_all))
     if skip:
         outputs = outputs + pre[..., h:]
-    return ChainOutputs(d_all, e_all, w1, outputs, p[-1], w[-1])
+    return ChainOutputs(d_all, e_all, w1, outputs, p[-1], w[-1], jnp.zeros((), jnp.float32) if z is None else z[-1])
