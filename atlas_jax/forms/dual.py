@@ -679,8 +679,8 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`, or for a
     depth-2 MLP the super-chunk chain, `_chain`): what
     `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
-    where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀, no
-    restarts: `_super_chunks`); Muon's chunk end through `_muon_super_chunk`. Steps with restarts
+    where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀:
+    `_super_chunks`); Muon's chunk end through `_muon_super_chunk`. Steps with restarts
     (packed documents, ``initial`` the state a sequence starts from) run through the chain only: a
     restart at the first chunk starts the super-chunk from ``initial``, one at a later chunk decays
     θ to zero there with ``initial``'s θ as a source (`ops.deep_memory.chain_weights`), and a chunk
