@@ -76,16 +76,16 @@ TORCH_ENTRIES = {TORCH_ENTRY: None, "titans_pytorch_every_chunk": "chunk"}
 # our titans-pytorch-schedule entries (`ops.deep_memory.chunk_step_memory`) -> its segment (None: the
 # whole sequence, as titans-pytorch's default; "chunk": the chunk size, as its batch_size=chunk)
 CHUNK_STEP_ENTRIES = {"titans_chunk_steps": None, "titans_chunk_steps_every_chunk": "chunk"}
-# our whole titans memory layer (`models.layers.MemoryLayer`: projections, short convolution, gates,
-# output norm and gate, as titans-pytorch's NeuralMemory has its own) -> (its step_schedule, packed
-# documents a row: 0 for none, M for M equal documents with segment ids, as training packs them)
-LAYER_ENTRIES = {"titans_layer": ("token", 0), "titans_layer_chunk_steps": ("chunk_from_theta0", 0),
-                 "titans_layer_chunk_steps_every_chunk": ("chunk", 0),
-                 "titans_layer_packed": ("token", 8), "titans_layer_chunk_steps_packed": ("chunk_from_theta0", 8),
-                 "omeganet_layer": ("token", 0), "omeganet_layer_packed": ("token", 8),
-                 "atlas_layer": ("token", 0), "atlas_layer_packed": ("token", 8)}
-# a layer entry's memory, as ENTRIES builds it (atlas: Newton–Schulz per chunk); titans for the rest
-LAYER_PRESETS = {"omeganet": "omeganet", "atlas": "atlas"}
+# our whole memory layer (`models.layers.MemoryLayer`: projections, short convolution, gates, output
+# norm and gate, as titans-pytorch's NeuralMemory has its own) -> (its memory, an ENTRIES name; its
+# step_schedule; packed documents a row: 0 for none, M for M equal documents with segment ids, as
+# training packs them)
+LAYER_ENTRIES = {"titans_layer": ("titans", "token", 0), "titans_layer_chunk_steps": ("titans", "chunk_from_theta0", 0),
+                 "titans_layer_chunk_steps_every_chunk": ("titans", "chunk", 0),
+                 "titans_layer_packed": ("titans", "token", 8),
+                 "titans_layer_chunk_steps_packed": ("titans", "chunk_from_theta0", 8),
+                 "omeganet_layer": ("omeganet", "token", 0), "omeganet_layer_packed": ("omeganet", "token", 8),
+                 "atlas_layer": ("atlas", "token", 0), "atlas_layer_packed": ("atlas", "token", 8)}
 TINY_SHAPE, TINY_CHUNK = (1, 128, 2, 16), 16
 SLOW_CALL_S = 2.0
 
@@ -371,18 +371,16 @@ def _time_vjp(row, fwdbwd, fwdbwd_args, forward, forward_args, tokens, compile_o
 
 def measure_layer(B, T, H, D, chunk, compile_only, reps, schedule, documents=0, impl="auto", dtype="float32",
                   trace_dir=None, entry="titans"):
-    """Our titans memory layer (width H·D, H heads, float32 parameters, ``dtype`` compute), as a
-    model holds it: jax.vjp of its output with respect to its input and every parameter; with
+    """Our memory layer around ``entry``'s memory (an ENTRIES name; width H·D, H heads, float32
+    parameters, ``dtype`` compute), as a model holds it: jax.vjp of its output with respect to its input and every parameter; with
     ``documents`` M > 0, each row packs M equal documents (segment ids, max_documents M)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from atlas_jax import presets
     from atlas_jax.models.layers import DTYPES, MemoryLayer
 
     compute = DTYPES[dtype]
-    spec = presets.get("titans") if entry == "titans" else build(entry)
-    layer = MemoryLayer(spec, width=H * D, heads=H, impl=impl, chunk_size=chunk,
+    layer = MemoryLayer(build(entry), width=H * D, heads=H, impl=impl, chunk_size=chunk,
                         step_schedule=schedule, max_documents=max(documents, 1), rngs=nnx.Rngs(0), dtype=compute)
     graphdef, params = nnx.split(layer)
     kx, kc = jax.random.split(jax.random.PRNGKey(0))
@@ -425,11 +423,10 @@ def worker(a):
         elif a.worker in LAYER_ENTRIES:
             import_tree(a.root) if a.root else import_tree()
             import jax
-            schedule, documents = LAYER_ENTRIES[a.worker]
+            memory_entry, schedule, documents = LAYER_ENTRIES[a.worker]
             row["device"] = jax.devices()[0].device_kind
             row["form"] = f"memory layer, {schedule} steps" + (f", {documents} documents a row" if documents else "")
             trace_dir = None if not a.trace else os.path.join(a.trace, f"{a.worker}_{a.dtype}")
-            memory_entry = next((LAYER_PRESETS[p] for p in LAYER_PRESETS if a.worker.startswith(p + "_")), "titans")
             row["memory"] = memory_entry
             row.update(measure_layer(B, T, H, D, a.chunk, a.compile_only, a.reps, schedule, documents, a.impl,
                                      a.dtype, trace_dir, entry=memory_entry))

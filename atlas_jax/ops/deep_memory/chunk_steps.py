@@ -415,9 +415,6 @@ def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, resta
     chunks += () if restart is None else (restart,)
     chunk_gradients = jax.vmap(jax.vmap(jax.vmap(partial(_step_gradient, memory, objective),
                                                  in_axes=(None, 0, 0, 0))))
-    # One segment for the whole sequence (segment None): padded with at least one chunk where its
-    # blocks need any, the θ_{n−1} it returns are every read's, the last chunk's included (row N).
-    one_segment_padded = per_segment == N and _blocks(N)[0] * _blocks(N)[1] > N
 
     def one_segment(carry, xs, keep_padding=False):
         point, theta, m = carry
@@ -443,7 +440,9 @@ def _parallel(memory, objective, q, k, v, beta, nu, g, theta0, m0, point0, resta
             thetas_before = jax.tree.map(lambda x: x[:, :, :n], thetas_before)
         return (theta, theta, m), thetas_before
 
-    if one_segment_padded:
+    if per_segment == N:
+        # one segment (segment None): where its blocks pad it, the θ_{n−1} it returns are every
+        # read's, the last chunk's included (row N)
         (_, theta_end, m_end), thetas_before = one_segment((point0, theta0, m0), chunks, keep_padding=True)
     else:
         (_, theta_end, m_end), thetas_before = _over_segments(one_segment, (point0, theta0, m0), chunks,
