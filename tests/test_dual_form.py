@@ -209,13 +209,12 @@ def test_super_chunks_only_where_the_chunk_end_is_linear():
     """Which presets the grouped scan runs in super-chunks: GD and implicit GD with gradients at θ₀
     (omeganet, dla, ttt_mlp) and Muon with NS per chunk (atlas: `dual._muon_super_chunk`); not
     momentum's chunk end (titans), a retention map (moneta) or forget-first decay (gradients at
-    P_t θ₀). Packed documents (restarts) only through the super-chunk chain (GD on a depth-2 MLP):
-    not atlas' Muon."""
+    P_t θ₀). Packed documents (restarts) through the super-chunk chain (GD on a depth-2 MLP) and
+    Muon's super-chunks too."""
     from atlas_jax import optimizers as inner_opt
     n_super = dual.SUPER_CHUNK
     expect = {"omeganet": n_super, "dla": n_super, "ttt_mlp": n_super, "ttt_mlp_implicit": n_super, "titans": 1,
               "atlas": n_super, "moneta": 1, "omeganet_forget_first": 1}
-    packed_expect = {**expect, "atlas": 1}
     for name, n in expect.items():
         spec = _spec(name)
         steps = _one_sequence_steps(spec, 4, 4, 16)
@@ -223,7 +222,7 @@ def test_super_chunks_only_where_the_chunk_end_is_linear():
                                                                  d_v=4).params)
         assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), steps, params) == n, name
         packed = steps._replace(restart=jnp.zeros((16,)))
-        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), packed, params) == packed_expect[name], name
+        assert dual._super_chunks(spec, inner_opt.info(spec.optimizer), packed, params) == n, name
 
 
 def test_which_presets_keep_super_chunks_at_their_start_at_d128():
@@ -652,15 +651,20 @@ def _one_sequence_steps(spec, K, V, T):
                  delta=jnp.ones((T, V)) if spec.objective.uses_delta else None, active=ones)
 
 
-@pytest.mark.parametrize("name,chunk,T", [("omeganet", 4, 45), ("dla", 4, 37)], ids=["omeganet-C4-T45", "dla-C4-T37"])
+@pytest.mark.parametrize("name,chunk,T", [("omeganet", 4, 45), ("dla", 4, 37), ("atlas", 4, 37)],
+                         ids=["omeganet-C4-T45", "dla-C4-T37", "atlas-C4-T37"])
 def test_super_chunks_restart_packed_documents(name, chunk, T, monkeypatch):
     """Packed documents (restarts at chunk boundaries) in super-chunks of 3: a restart at a
     super-chunk's first chunk starts it from the initial state, one at a later chunk decays θ to
-    zero there with the initial θ as a source (and resets W1 and the Omega window): outputs and
+    zero there with the initial θ as a source (and resets W1 and the Omega window; Muon's: the
+    momentum, its Gram matrix, from the initial momentum, which is not zero here): outputs and
     every gradient against the materialising form, which restarts chunk by chunk."""
     chains = []
     chain = dual._chain
     monkeypatch.setattr(dual, "_chain", lambda *a, **kw: chains.append(a[-1] is not None) or chain(*a, **kw))
+    muon = dual._muon_super_chunk
+    monkeypatch.setattr(dual, "_muon_super_chunk",
+                        lambda *a, **kw: chains.append(a[-2] is not None) or muon(*a, **kw))
     monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
     monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
     monkeypatch.setattr(dual, "SUPER_CHUNK", 3)

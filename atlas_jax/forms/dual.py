@@ -681,18 +681,25 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     `_one_chunk` computes chunk after chunk, to float32 rounding (sums in another order). Only
     where the chunk end is θ's linear update (GD or implicit GD, no map, gradients at θ₀:
     `_super_chunks`); Muon's chunk end through `_muon_super_chunk`. Steps with restarts
-    (packed documents, ``initial`` the state a sequence starts from) run through the chain only: a
-    restart at the first chunk starts the super-chunk from ``initial``, one at a later chunk decays
-    θ to zero there with ``initial``'s θ as a source (`ops.deep_memory.chain_weights`), and a chunk
-    with a restart after its first step gives NaN outputs (`restarting_chunks`)."""
+    (packed documents, ``initial`` the state a sequence starts from) run through the chain or
+    Muon's super-chunks only: a restart at the first chunk starts the super-chunk from ``initial``,
+    one at a later chunk decays θ to zero there with ``initial``'s θ as a source (the chain:
+    `ops.deep_memory.chain_weights`; Muon: a second base), and a chunk with a restart after its
+    first step gives NaN outputs (`restarting_chunks`)."""
     restart = None if xs.restart is None else xs.restart[:, 0]
+    b = xs.active.shape[1]
     if restart is not None:
-        if initial is None or opt_info.kind == "muon" or not _chain_covers(spec, carry.params):
-            raise NotImplementedError("_super_chunk: restarts run through the super-chunk chain only (`_super_chunks`)")
+        if initial is None or not (opt_info.kind == "muon" or _chain_covers(spec, carry.params)):
+            raise NotImplementedError("_super_chunk: restarts run through the super-chunk chain or Muon's "
+                                      "super-chunks only (`_super_chunks`)")
         carry = restarted(carry, initial, restart[0])
         inside = jnp.any(xs.restart[:, 1:] > 0, axis=1)                 # [S]
     if opt_info.kind == "muon":
-        return _muon_super_chunk(spec, opt_info, features, carry, xs, padding_chunks, operands)
+        state, outputs = _muon_super_chunk(spec, opt_info, features, carry, xs, padding_chunks, operands,
+                                           restart, initial)
+        if restart is not None:
+            outputs = jnp.where(jnp.repeat(inside, b)[:, None], jnp.nan, outputs)
+        return state, outputs
     chain = _chain_covers(spec, carry.params)
     parts = _super_chunk_terms(spec, opt_info, features, carry, xs, padding_chunks, joined_rows=chain,
                                initial_window=None if initial is None or restart is None else initial.window)
@@ -712,14 +719,14 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
                 # the rows' products with the sequences' start θ, which a sub-chunk after a restart
                 # reads: a second set of the base products' matmuls (omeganet's layer, B1 T4096 H8
                 # D128 bf16 with 8 documents a row: 7.38 TFLOP of matmuls fwd+bwd, against 5.40 on the
-                # per-chunk route and 3.68 without documents; the per-chunk route ran at a third of
-                # the super-chunks' TFLOP/s on an H200; this path is not yet timed on a GPU)
+                # per-chunk route and 3.68 without documents; on an H200 54.9 ms against the
+                # per-chunk route's 171.2 and 38.2 without documents, one command:
+                # benchmarks/results/packed_super_chunks_h200_2026-11-30.md)
                 origin = (restart, initial.params, first_layer_products(spec, initial.params, *terms, operands=operands,
                                                                          rows=joined))
         params_end, outputs = _chain(spec, carry.params, features, terms, base_products, joined, raw_keys,
                                      raw_sources, xs.queries if features is not None else None, operands, origin)
         if restart is not None:
-            b = xs.active.shape[1]
             outputs = jnp.where(jnp.repeat(inside, b)[:, None], jnp.nan, outputs)
         return carry._replace(params=params_end, window=win), outputs
     start = _LowRankStart(carry.params, features, operands)
@@ -803,7 +810,8 @@ MUON_SUB_CHUNK_UNROLL = 2
 MOMENTUM_OF = "_momentum_"   # `_muon_super_chunk`'s extra products with m_B in `first_layer_products`
 
 
-def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None):
+def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None,
+                      restart=None, initial: MemoryState | None = None):
     """`_super_chunk` for Muon with Newton–Schulz at chunk ends (``ns_every="chunk"``): θ and the
     momentum formed once a super-chunk, although the chunk end NS_J(m) is not linear in m.
 
@@ -824,9 +832,18 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
     rounding of NS's restart: `_one_chunk` takes it from the formed iterate's Gram matrix, this from
     A's (`newton_schulz_factor`; float32 ≤ 1e-4 relative, tested). The wide weights' NS is always
     the Gram route on float32-accurate products (`MUON_CHAIN_PRECISION`): ``ns_dtype`` and
-    ``ns_method`` apply to the other weights only."""
-    terms, win, joined, raw_keys, raw_sources = _super_chunk_terms(spec, opt_info, features, carry, xs,
-                                                                   padding_chunks, joined_rows=True)
+    ``ns_method`` apply to the other weights only.
+
+    Packed documents (``restart`` [S], the sub-chunks a sequence starts at, ``initial`` the state it
+    starts from; the caller has restarted the first): a restart at sub-chunk j > 0 is a second base
+    (θ_O, m_O) = ``initial``'s, with its own p, μ, c, C, next to (θ_B, m_B), whose coefficients, the
+    rows V, Ṽ and the narrow weights go to zero (the initial ones) there, and A to m_Oᵀm_O. The rows'
+    products with θ_O and m_O are a second set of the base products. atlas B1 T4096 H8 D128 bf16
+    with 8 documents a row, fwd+bwd on an H200: 553.8 ms against the per-chunk route's 804.6 (435.2
+    without documents; benchmarks/results/packed_super_chunks_h200_2026-11-30.md)."""
+    terms, win, joined, raw_keys, raw_sources = _super_chunk_terms(
+        spec, opt_info, features, carry, xs, padding_chunks, joined_rows=True,
+        initial_window=None if restart is None else initial.window)
     params_b, momentum_b = carry.params, carry.opt_state.momentum
     n_sub, n, b = len(terms), terms[0].src_inputs.shape[0], terms[0].queries.shape[0]
     n_window = n - b
@@ -850,6 +867,16 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
                                                cached)
         gram_src, gram_q = _kept(gram_src), _kept(gram_q)
         gram = {key: _kept(_exact(momentum_b[key].T, momentum_b[key])) for key in wide}   # A = mᵀm
+        # the bases: (θ_B, m_B), and with restarts (θ_O, m_O), each with the rows' products with it
+        bases = [(params_b, momentum_b)]
+        products_by_base = [base]
+        if restart is not None:
+            params_o, momentum_o = initial.params, initial.opt_state.momentum
+            bases.append((params_o, momentum_o))
+            products_by_base.append(_kept(first_layer_products(
+                spec, params_o, *terms, extra={MOMENTUM_OF + key: momentum_o[key] for key in wide},
+                operands=operands, rows=joined)))
+            gram_origin = {key: _exact(momentum_o[key].T, momentum_o[key]) for key in wide}
 
     S, N = n_sub, n_sub * n
     hidden = {key: params_b[key].shape[-1] for key in wide}
@@ -859,36 +886,55 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
     # took 208 s to compile on an H200 against 43 s for the per-chunk route). What grows from
     # sub-chunk to sub-chunk (the rows V, Ṽ) is kept in buffers of the super-chunk's N rows, zero
     # where no sub-chunk wrote yet, so the products with them need no slices.
-    init = dict(decay_b=jnp.float32(1.0), mu=jnp.float32(1.0),                 # p, μ
-                coef={key: zero for key in wide},                              # c
-                mix={key: jnp.zeros((hidden[key],) * 2, jnp.float32) for key in wide},        # C
+    def coefficients(weight):   # a base's p, μ, c, C: θ = p θ_base + m_base (c I + C) + …, m = μ m_base + …
+        return dict(decay=jnp.float32(weight), mu=jnp.float32(weight), coef={key: zero for key in wide},
+                    mix={key: jnp.zeros((hidden[key],) * 2, jnp.float32) for key in wide})
+
+    init = dict(bases=[coefficients(1.0)] + [coefficients(0.0) for _ in bases[1:]],
                 gram=gram,                                                     # A = mᵀm
                 rows_m={key: jnp.zeros((N, hidden[key]), jnp.float32) for key in wide},       # V
                 rows_t={key: jnp.zeros((N, hidden[key]), jnp.float32) for key in wide},       # Ṽ
                 theta={key: params_b[key] for key in narrow}, momentum={key: momentum_b[key] for key in narrow})
     stacked_terms = jax.tree.map(lambda *x: jnp.stack(x), *[t._replace(next_window=None) for t in terms])
-    stacked_base = jax.tree.map(lambda *x: jnp.stack(x), *base)
+    stacked_products = [jax.tree.map(lambda *x: jnp.stack(x), *products) for products in products_by_base]
+    # a restart at the first sub-chunk is the caller's (`_super_chunk` starts the carry from ``initial``)
+    restarts = jnp.zeros((S,), bool) if restart is None else (restart > 0).at[0].set(False)
 
-    def theta_of(c, key, x_theta, x_m, grams):
-        """x θ[key] from x θ_B, x m_B and x Uᵀ."""
-        return (c["decay_b"] * x_theta + c["coef"][key] * x_m + _exact(x_m, c["mix"][key])
-                + _exact(grams, c["rows_t"][key]))
+    def theta_of(c, key, products, side, grams):
+        """x θ[key] from x θ_base and x m_base of every base (``side`` 0: the sources' rows, 1: the
+        queries') and x Uᵀ."""
+        out = _exact(grams, c["rows_t"][key])
+        for coef, rows in zip(c["bases"], products):
+            x_theta, x_m = rows[key][side], rows[MOMENTUM_OF + key][side]
+            out = out + coef["decay"] * x_theta + coef["coef"][key] * x_m + _exact(x_m, coef["mix"][key])
+        return out
 
-    def momentum_of(c, key, x_m, grams):
-        return c["mu"] * x_m + _exact(grams, c["rows_m"][key])
+    def momentum_of(c, key, products, side, grams):
+        out = _exact(grams, c["rows_m"][key])
+        for coef, rows in zip(c["bases"], products):
+            out = out + coef["mu"] * rows[MOMENTUM_OF + key][side]
+        return out
+
+    def restarted_at(c, restart_here):
+        """The carry a sequence starts with at this sub-chunk: only (θ_O, m_O), with weight one."""
+        start = dict(bases=[coefficients(0.0), coefficients(1.0)], gram=gram_origin,
+                     rows_m=jax.tree.map(jnp.zeros_like, c["rows_m"]), rows_t=jax.tree.map(jnp.zeros_like, c["rows_t"]),
+                     theta={key: params_o[key] for key in narrow}, momentum={key: momentum_o[key] for key in narrow})
+        return jax.tree.map(lambda s, old: jnp.where(restart_here, s, old), start, c)
 
     def sub_chunk(c, xs):
-        t, products, g_src, g_q, j = xs
+        t, products, g_src, g_q, j, restart_here = xs
+        if len(bases) > 1:
+            c = restarted_at(c, restart_here)
         before = jnp.arange(S)[None, :, None] < j
         earlier_src = jnp.where(before, g_src, 0.0).reshape(n, N)
         earlier_q = jnp.where(before, g_q, 0.0).reshape(b, N)
         with jax.named_scope(SCOPES["chunk_source"]):
             first, mom_q, mom_src = {}, {}, {}
             for key in wide:
-                (src_theta, q_theta), (src_m, q_m) = products[key], products[MOMENTUM_OF + key]
-                first[key] = (theta_of(c, key, src_theta, src_m, earlier_src),
-                              theta_of(c, key, q_theta, q_m, earlier_q))
-                mom_src[key], mom_q[key] = momentum_of(c, key, src_m, earlier_src), momentum_of(c, key, q_m, earlier_q)
+                first[key] = (theta_of(c, key, products, 0, earlier_src), theta_of(c, key, products, 1, earlier_q))
+                mom_src[key] = momentum_of(c, key, products, 0, earlier_src)
+                mom_q[key] = momentum_of(c, key, products, 1, earlier_q)
             old_theta, old_m = c["theta"], c["momentum"]
             first, layer_inputs, cotangents = _kept_sources(
                 spec, params_b, t, first, product=lambda key, h: weight_product(h, old_theta[key], operands))
@@ -897,8 +943,9 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
             # the narrow weights' chunk end as `_one_chunk` takes it (θ and m formed every chunk)
             narrow_end = chunk_end(spec, opt_info, MemoryState(old_theta, inner_opt.MomentumState(old_m), None, None),
                                    t, layer_inputs, cotangents, operands)
-            new = dict(theta=narrow_end.params, momentum=narrow_end.opt_state.momentum,
-                       mu=nu * c["mu"], decay_b=decay * c["decay_b"], coef={}, mix={}, gram={}, rows_m={}, rows_t={})
+            new = dict(theta=narrow_end.params, momentum=narrow_end.opt_state.momentum, gram={}, rows_m={}, rows_t={},
+                       bases=[dict(mu=nu * coef["mu"], decay=decay * coef["decay"], coef={}, mix={})
+                              for coef in c["bases"]])
             own = jax.lax.dynamic_index_in_dim(g_src, j, axis=1, keepdims=False)   # U_j U_jᵀ [n, n]
             for key in wide:
                 new_rows = t.momentum_rows[:, None] * cotangents[key]   # W [n, h]
@@ -916,11 +963,12 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
                 new["rows_m"][key] = rows_m
                 new["rows_t"][key] = decay * c["rows_t"][key] - step * (factor.scale * rows_m
                                                                        + _exact(rows_m, factor.right))
-                new["coef"][key] = decay * c["coef"][key] - step * new["mu"] * factor.scale
-                new["mix"][key] = decay * c["mix"][key] - step * new["mu"] * factor.right
+                for coef, new_coef in zip(c["bases"], new["bases"]):
+                    new_coef["coef"][key] = decay * coef["coef"][key] - step * new_coef["mu"] * factor.scale
+                    new_coef["mix"][key] = decay * coef["mix"][key] - step * new_coef["mu"] * factor.right
         with jax.named_scope(SCOPES["chunk_read"]):
             own_q = jnp.where(jnp.arange(S)[None, :, None] <= j, g_q, 0.0).reshape(b, N)
-            end_q = {key: theta_of(new, key, products[key][1], products[MOMENTUM_OF + key][1], own_q) for key in wide}
+            end_q = {key: theta_of(new, key, products, 1, own_q) for key in wide}
 
             def wide_only(values, fallback):
                 def read(key, h):
@@ -939,16 +987,19 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
                 end_product=wide_only(end_q, lambda key, h: weight_product(h, end_theta[key], operands)))
         return new, outputs
 
-    c, outputs = jax.lax.scan(sub_chunk, init, (stacked_terms, stacked_base, gram_src, gram_q, jnp.arange(S)),
+    c, outputs = jax.lax.scan(sub_chunk, init,
+                              (stacked_terms, stacked_products, gram_src, gram_q, jnp.arange(S), restarts),
                               unroll=MUON_SUB_CHUNK_UNROLL)
     with jax.named_scope(SCOPES["chunk_end"]):
         sources = jnp.concatenate([t.src_inputs for t in terms]) if joined is None else joined[:N]
         params_end, momentum_end = dict(c["theta"]), dict(c["momentum"])
         for key in wide:
-            w_b, m_b = params_b[key], momentum_b[key]
-            params_end[key] = (c["decay_b"] * w_b + c["coef"][key] * m_b + _exact(m_b, c["mix"][key])
-                               + _exact(sources.astype(jnp.float32).T, c["rows_t"][key]))
-            momentum_end[key] = c["mu"] * m_b + outer_product(sources, c["rows_m"][key], None, MUON_CHUNK_END_PRECISION)
+            params_end[key] = _exact(sources.astype(jnp.float32).T, c["rows_t"][key])
+            momentum_end[key] = outer_product(sources, c["rows_m"][key], None, MUON_CHUNK_END_PRECISION)
+            for coef, (params, momentum) in zip(c["bases"], bases):
+                w, m = params[key], momentum[key]
+                params_end[key] = params_end[key] + coef["decay"] * w + coef["coef"][key] * m + _exact(m, coef["mix"][key])
+                momentum_end[key] = momentum_end[key] + coef["mu"] * m
     state = MemoryState(params_end, inner_opt.MomentumState(momentum_end), carry.accumulator, win)
     return state, outputs.reshape((S * b,) + outputs.shape[2:])
 
@@ -1124,12 +1175,12 @@ def _super_chunks(spec, opt_info, steps: Steps, params=None) -> int:
     """Chunks per `_super_chunk` of the grouped scan: SUPER_CHUNK where θ's chunk end is linear
     in the chunk's gradients (GD, implicit GD) or Muon's (linear in them up to Newton–Schulz, which
     `_muon_super_chunk` takes from the momentum's Gram matrix), else 1. With restarts (packed
-    documents) only where the super-chunk chain runs (GD or implicit GD on a depth-2 MLP, `_chain`),
-    which restarts inside a super-chunk (θ decays to zero there and takes θ_0 as a source)."""
+    documents) only where the super-chunk chain runs (GD or implicit GD on a depth-2 MLP, `_chain`)
+    or Muon's, which restart inside a super-chunk (θ decays to zero there and takes θ_0 as a source)."""
     linear = opt_info.kind in ("gd", "implicit_gd", "muon") and not spec.retention.has_map
     at_start = spec.retention.decay == "none" or spec.retention.decoupled
-    if steps.restart is not None and not (opt_info.kind in ("gd", "implicit_gd") and params is not None
-                                          and _chain_covers(spec, params)):
+    chain = opt_info.kind in ("gd", "implicit_gd") and params is not None and _chain_covers(spec, params)
+    if steps.restart is not None and not (chain or opt_info.kind == "muon"):
         return 1
     return SUPER_CHUNK if linear and at_start else 1
 
