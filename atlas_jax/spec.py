@@ -125,6 +125,19 @@ class MemorySpec:
         return is_exact(self) or is_omega_exact(self)
 
     @property
+    def chunk_start_is_recurrent(self) -> bool:
+        """Inside one chunk the chunk-start form is the recurrence with every gradient taken at the
+        chunk's start θ₀ (``gradient_point``): no decay or a decoupled one (forget-first takes it at
+        θ₀ decayed to the step), no chunk-end retention map and no Newton–Schulz once per chunk (both
+        act on the chunk as a whole). Then a decode step costs one token's step, not the chunk's
+        (`models.layers.MemoryLayer.decode`)."""
+        info = inner_opt.info(self.optimizer)
+        retention = self.retention
+        return ((retention.decay == "none" or retention.decoupled)
+                and not (retention.has_map and retention.map_at == "chunk_end")
+                and not (info.kind == "muon" and info.ns_every == "chunk"))
+
+    @property
     def has_kernel(self) -> bool:
         """impl="pallas" covers the spec: the exact delta family with the ℓ2 objective (the delta
         write; the dot objective's linear attention has no kernel), the exact Omega rule on a
@@ -185,7 +198,7 @@ class MemorySpec:
     def __call__(self, q, k, v, *, beta=None, g=None, nu=None, gamma=None, delta=None,
                  initial_state=None, output_final_state: bool = False, impl: str | None = None,
                  chunk_size: int | None = None, feature_params=None, scale: float = 1.0, form: str | None = None,
-                 restarts=None, valid=None):
+                 restarts=None, valid=None, gradient_point=None):
         """Run the memory over a sequence: returns (o [B, T, H, V], final MemoryState or None).
 
         ``impl`` / ``chunk_size`` override the spec's fields for this call; ``form`` is the 0.1.0
@@ -197,7 +210,10 @@ class MemorySpec:
         ``cu_seqlens``). ``valid`` [B, T] (with restarts): False marks padding between a document's
         last token and the next restart; it leaves the memory as it is (a chunk-end map or
         Newton–Schulz acts at the document's last token, as if the document ran alone) and its
-        outputs mean nothing.
+        outputs mean nothing. ``gradient_point`` (impl "recurrent" only): params like
+        ``initial_state``'s, [B, H, ...], at which every step takes its gradient in place of the
+        state before it: the chunk-start form's steps inside one chunk from θ₀ = the point, where
+        ``chunk_start_is_recurrent`` (a chunk-start memory's decode step).
         """
         if form is not None:
             if impl is not None:
@@ -236,10 +252,20 @@ class MemorySpec:
                                           "with impl='recurrent' (the chunked form rebuilds the final window "
                                           "from the last c - 1 tokens, across a restart)")
         state = self._coerce_state(initial_state, batch, heads, d_k, d_v)
+        if gradient_point is not None:
+            if impl != "recurrent" or restarts is not None:
+                raise ValueError("MemorySpec: gradient_point takes impl='recurrent' and no restarts (it is one "
+                                 f"chunk's start θ for the steps inside that chunk), got impl={impl!r}")
+            want = jax.tree.map(lambda x: (x.shape, x.dtype), state.params)
+            got = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), gradient_point)
+            if got != want:
+                raise ValueError(f"MemorySpec: gradient_point must have the state's params' structure, shapes and "
+                                 f"dtypes {want}, got {got}")
         if feature_params is None:
             feature_params = self.feature_map.init_params()
         o, final = _run(self, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
-                        impl=impl, chunk_size=chunk_size, steps=n, restarts=restarts, valid=valid)
+                        impl=impl, chunk_size=chunk_size, steps=n, restarts=restarts, valid=valid,
+                        gradient_point=gradient_point)
         return o.astype(v.dtype), (final if output_final_state else None)
 
     def _coerce_state(self, initial_state, batch, heads, d_k, d_v) -> MemoryState:
@@ -366,7 +392,7 @@ def _check_impl(where, impl, chunk_size):
 
 @partial(jax.jit, static_argnames=("spec", "impl", "chunk_size", "steps"))
 def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, impl, chunk_size, steps,
-         restarts=None, valid=None):
+         restarts=None, valid=None, gradient_point=None):
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     # The exact family hands q, k, v to the ops as given (bf16 stays bf16 for the kernels, which
     # keep gates, solves and states in float32); every other path computes in float32.
@@ -458,20 +484,20 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
     bhs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), steps_bsh)
     total = time * n
     if impl == "recurrent":
-        run_one = lambda st, xs: recurrent_sequence(spec, st, xs)
+        run_one = lambda st, xs, point: recurrent_sequence(spec, st, xs, point)
         padded = bhs
     else:
         pad = (-total) % chunk_size
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
-        run_one = lambda st, xs: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features,
-                                                  low_precision=low_precision)
+        run_one = lambda st, xs, point: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features,
+                                                         low_precision=low_precision)
     if deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size, features=features,
                          low_precision=low_precision):
         # The dual form with its sequential pass on the deep-memory kernel (bf16 dots for bf16 inputs).
         final, o = dual_batched_kernel(spec, state, padded, chunk_size=chunk_size, features=features,
                                        low_precision=low_precision)
     else:
-        final, o = jax.vmap(jax.vmap(run_one))(state, padded)
+        final, o = jax.vmap(jax.vmap(run_one))(state, padded, gradient_point)
     if impl != "recurrent" and spec.window > 1:
         final = final._replace(window=_last_window(state.window, bhs, spec.window, features))
     o = jnp.moveaxis(o[:, :, :total], 1, 2)  # [B, S, H, V]

@@ -4,7 +4,9 @@ Prefills a prompt from the built-in corpus, then decodes greedily token by token
 token it runs the whole buffer through the model's forward and compares the decode step's logits
 with the forward's at that position (the largest absolute difference, and whether their argmax
 agrees). ``--decode recurrent`` forces the token-by-token recurrence on every memory layer (what
-generation ran before the chunk-start memories decoded by chunk), for comparison.
+generation ran before the chunk-start memories decoded by chunk), ``--decode replay`` the chunk
+replay on every chunk-start layer (what they ran before a step took its gradient at the chunk's
+start θ), for comparison.
 
     python benchmarks/decode_agreement.py --run runs/demo/atlas                 # after `make run`
     python benchmarks/decode_agreement.py --run runs/demo/atlas --decode recurrent
@@ -36,6 +38,19 @@ def recurrent_decode():
         yield
     finally:
         layers.MemoryLayer.decodes_by_chunk = by_chunk
+
+
+@contextlib.contextmanager
+def replay_decode():
+    """Every chunk-start memory layer decodes by replaying its current chunk (generation before a
+    step took its gradient at the chunk's start θ, `MemoryLayer.decodes_at_chunk_start`)."""
+    from atlas_jax.models import layers
+    at_start = layers.MemoryLayer.decodes_at_chunk_start
+    layers.MemoryLayer.decodes_at_chunk_start = property(lambda self: False)
+    try:
+        yield
+    finally:
+        layers.MemoryLayer.decodes_at_chunk_start = at_start
 
 
 def agreement(model, prompt, new: int) -> dict:
@@ -73,14 +88,16 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--new-tokens", type=int, default=60)
     ap.add_argument("--offset", type=int, default=200_000, help="where in the corpus the prompt starts (characters)")
-    ap.add_argument("--decode", choices=["model", "recurrent"], default="model",
-                    help="model: as generation decodes; recurrent: the recurrence on every memory layer")
+    ap.add_argument("--decode", choices=["model", "replay", "recurrent"], default="model",
+                    help="model: as generation decodes; replay: the chunk replay on every chunk-start layer; "
+                         "recurrent: the recurrence on every memory layer")
     a = ap.parse_args()
     from atlas_jax.train.trainer import load_run
     model, tokenizer, step = load_run(a.run)
     text = CORPUS.read_text()[a.offset:a.offset + 40 * a.prompt_tokens]
     prompt = jnp.asarray(tokenizer.encode(text)[:a.prompt_tokens], jnp.int32)[None]
-    with recurrent_decode() if a.decode == "recurrent" else contextlib.nullcontext():
+    context = {"recurrent": recurrent_decode, "replay": replay_decode}.get(a.decode, contextlib.nullcontext)
+    with context():
         row = agreement(model, prompt, a.new_tokens)
     print(f"{a.run} (step {step}), decode {a.decode}: prompt {prompt.shape[1]} tokens, {a.new_tokens - 1} decode "
           f"steps; largest |decode logit - forward logit| {row['max_abs_diff']:.3e}; greedy argmax agrees at "

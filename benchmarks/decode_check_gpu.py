@@ -1,7 +1,7 @@
 """On a GPU: the chunk-start memories' cached decode equals a re-run of the forward over the buffer
-(bf16 models on `impl="auto"`, so titans' prefill and every decode step's chunk run the
-deep-memory kernels), and how long a decode step takes against the recurrent one
-(`decode_agreement.agreement`, both ways).
+(bf16 models on `impl="auto"`, so titans' prefill runs the deep-memory kernels), and how long a
+decode step takes (`decode_agreement.agreement`) as generation decodes (a recurrent step with the
+gradient at the chunk's start θ), by replaying the chunk, and on the plain recurrence.
 
     python benchmarks/decode_check_gpu.py --out $OUT      # writes decode_check_gpu.json
 """
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from decode_agreement import agreement, recurrent_decode
+from decode_agreement import agreement, recurrent_decode, replay_decode
 from timing import import_tree
 
 
@@ -24,7 +24,9 @@ def check(name, size, overrides, prompt_len, new, dtype):
     model = build(name, size, rngs=nnx.Rngs(0), dtype=dtype, **overrides)
     prompt = jax.random.randint(jax.random.PRNGKey(1), (2, prompt_len), 0, model.config.vocab_size, dtype=jnp.int32)
     row = {"model": name, "size": size, **overrides, "dtype": dtype, "prompt": prompt_len, "new": new,
-           "chunk": agreement(model, prompt, new)}
+           "decode": agreement(model, prompt, new)}
+    with replay_decode():
+        row["replay"] = agreement(model, prompt, new)
     with recurrent_decode():
         row["recurrent"] = agreement(model, prompt, new)
     print(json.dumps(row), flush=True)
@@ -38,7 +40,7 @@ def main():
     import_tree()
     rows = [check("titans", "tiny", {}, 100, 40, "bfloat16"),
             check("atlas", "tiny", {}, 100, 40, "bfloat16"),
-            check("titans", "tiny", {}, 100, 40, "float32"),
+            check("omeganet", "tiny", {}, 100, 40, "bfloat16"),
             check("titans", "170m", {}, 100, 12, "bfloat16")]
     with open(os.path.join(a.out, "decode_check_gpu.json"), "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)

@@ -314,3 +314,49 @@ def test_any_optax_chain_with_token_step_sizes_plugs_in():
     o2, _ = spec(q, k, v, beta=0.02 * beta, g=g, initial_state=state0)
     assert np.isfinite(np.asarray(o)).all() and rel(o, o2) > 1e-4   # β_t reaches the update
     assert s.opt_state[0].count[0, 0] == 9
+
+
+# atlas with the convergent cubic Newton–Schulz (test_chunk_size_one_equals_recurrent says why)
+@pytest.mark.parametrize("name", ["titans", "atlas", "omeganet", "yaad", "dla", "ttt_mlp"])
+def test_chunk_start_form_is_the_recurrence_from_each_chunks_start_point(name):
+    """Where ``chunk_start_is_recurrent``, the chunk-start form run over a sequence equals the
+    recurrence run chunk by chunk with every gradient taken at the chunk's start θ
+    (``gradient_point``): outputs and final state (the window cache too), with chunks of 4 over 13
+    tokens (the last one partial) and a state mid-sequence."""
+    B, T, H, K, V, chunk = 2, 13, 2, 8, 8, 4
+    spec = presets.get(name, hidden=16)
+    if name == "atlas":
+        spec = dataclasses.replace(spec, optimizer=opt.muon(coefficients="cubic"))
+    assert spec.chunk_start_is_recurrent
+    q, k, v, kw = _knobs(spec, 5, B, T, H, K, V)
+    kw["beta"] = 0.3 * kw["beta"]
+    state = _state0(spec, jax.random.PRNGKey(6), B, H, K, V)
+    whole, s_whole = spec(q, k, v, **kw, initial_state=state, output_final_state=True, impl="chunk",
+                          chunk_size=chunk)
+    pieces = []
+    for lo in range(0, T, chunk):
+        part = lambda x: x[:, lo:lo + chunk]
+        o, state = spec(*map(part, (q, k, v)), **{key: part(x) for key, x in kw.items()}, initial_state=state,
+                        output_final_state=True, impl="recurrent", gradient_point=state.params)
+        pieces.append(o)
+    assert rel(jnp.concatenate(pieces, axis=1), whole) < 1e-5
+    assert tree_rel(state, s_whole) < 1e-5
+    # without the point, the recurrence differs (the test can fail)
+    o_rec, _ = spec(q, k, v, **kw, initial_state=_state0(spec, jax.random.PRNGKey(6), B, H, K, V), impl="recurrent")
+    assert rel(o_rec, whole) > 1e-4
+
+
+def test_which_chunk_start_forms_are_the_recurrence_at_the_start_point():
+    """Not where the chunk acts as a whole: a chunk-end retention map (moneta, memora) or
+    Newton–Schulz once per chunk; and gradient_point only with impl='recurrent', shaped like θ."""
+    assert not presets.get("moneta").chunk_start_is_recurrent
+    assert not presets.get("memora").chunk_start_is_recurrent
+    assert not presets.get("atlas", ns_every="chunk").chunk_start_is_recurrent
+    spec = presets.get("titans", hidden=16)
+    q, k, v, kw = _knobs(spec, 5, 1, 5, 2, 8, 8)
+    state = _state0(spec, jax.random.PRNGKey(6), 1, 2, 8, 8)
+    with pytest.raises(ValueError, match="gradient_point takes impl='recurrent'"):
+        spec(q, k, v, **kw, initial_state=state, impl="chunk", gradient_point=state.params)
+    with pytest.raises(ValueError, match="gradient_point must have the state's params"):
+        spec(q, k, v, **kw, initial_state=state, impl="recurrent",
+             gradient_point=jax.tree.map(lambda x: x[0], state.params))

@@ -1,7 +1,7 @@
 """Generation: the cached decode (prefill through the chunked / kernel form, then the recurrent
-step, or the chunk replay of the chunk-start memories) produces exactly the tokens and logits of a
-full re-forward at every step; a pure memory model's decode
-step has the same shapes and cost whatever the prompt length; the samplers."""
+step, for the chunk-start memories with the gradient at the chunk's start θ or a replay of the
+chunk) produces exactly the tokens and logits of a full re-forward at every step; a pure memory
+model's decode step has the same shapes and cost whatever the prompt length; the samplers."""
 from __future__ import annotations
 
 import jax
@@ -29,12 +29,14 @@ def _reforward_greedy(model, prompt, new):
     return buffer[:, PROMPT:], steps
 
 
-# The chunk-start memories (titans, atlas and the titans hybrids) decode by replaying the current
-# chunk: at chunk 8 the prompt of 20 leaves a chunk of 4 open and the 12 new tokens close two
-# (`MemoryLayer.decodes_by_chunk`); at chunk 4 the prompt ends on a boundary, at 32 it closes no
-# chunk (at chunk 1 their chunked form is the recurrence, which decodes as the delta family's
-# does). titans on titans-pytorch's schedules (one step per chunk) replays its chunk too, from the
-# chunk's start weights, momentum and gradient point. swa's window (16) is shorter than prompt + new tokens, so its ring buffer wraps.
+# The chunk-start memories (titans, atlas, omeganet and the titans hybrids) decode what their
+# forward computes: one recurrent step with the gradient at the current chunk's start θ
+# (`MemoryLayer.decodes_at_chunk_start`), or, where a chunk acts as a whole (atlas with Newton–Schulz
+# once per chunk), by replaying the current chunk (`MemoryLayer.decodes_by_chunk`). At chunk 8 the
+# prompt of 20 leaves a chunk of 4 open and the 12 new tokens close two; at chunk 4 the prompt ends
+# on a boundary, at 32 it closes no chunk (at chunk 1 their chunked form is the recurrence, which
+# decodes as the delta family's does). titans on titans-pytorch's schedules (one step per chunk)
+# replays its chunk too, from the chunk's start weights, momentum and gradient point. swa's window (16) is shorter than prompt + new tokens, so its ring buffer wraps.
 # gated_deltanet at V = K is slow-marked (the V = 2K case runs the same path) to keep `make test`
 # under 20 minutes.
 @pytest.mark.parametrize("name,overrides", [
@@ -46,6 +48,8 @@ def _reforward_greedy(model, prompt, new):
     ("titans", {"chunk_size": 8, "step_schedule": "chunk"}),             # titans-pytorch's schedules
     ("titans", {"chunk_size": 4, "step_schedule": "chunk_from_theta0"}),
     ("atlas", {"chunk_size": 8}),
+    ("atlas", {"chunk_size": 8, "preset_options": {"ns_every": "chunk"}}),   # the chunk replay
+    ("omeganet", {"chunk_size": 8}),                                          # the window across chunks
     ("transformer", {}),
     ("swa", {}),
     ("titans_mag", {"chunk_size": 8}),
@@ -54,6 +58,10 @@ def _reforward_greedy(model, prompt, new):
 ])
 def test_cached_greedy_equals_reforward(name, overrides):
     model = build(name, "tiny", rngs=nnx.Rngs(0), **overrides)
+    layers = [m for _, m in nnx.iter_modules(model) if hasattr(m, "decodes_at_chunk_start")]
+    if name in ("titans", "atlas", "omeganet") and overrides.get("step_schedule", "token") == "token":
+        per_chunk = overrides.get("preset_options", {}).get("ns_every") == "chunk"
+        assert all(m.decodes_at_chunk_start != per_chunk for m in layers), "the decode route under test"
     prompt = jax.random.randint(jax.random.PRNGKey(1), (2, PROMPT), 0, 256, dtype=jnp.int32)
     expected, step_logits = _reforward_greedy(model, prompt, NEW)
     got = generate(model, prompt, NEW, temperature=0.0)

@@ -24,8 +24,12 @@ from atlas_jax.retention import decay_tree
 __all__ = ["recurrent_sequence", "inner_step"]
 
 
-def inner_step(spec, state: MemoryState, x: Steps):
-    """One inner step for one sequence and head; ``x`` holds that step's slices (no time axis)."""
+def inner_step(spec, state: MemoryState, x: Steps, gradient_point=None):
+    """One inner step for one sequence and head; ``x`` holds that step's slices (no time axis).
+
+    ``gradient_point``: a params tree at which g_t is taken in place of p_t (the optimizer still
+    sees p_t): the chunk-start form's steps inside one chunk, which take every gradient at the
+    chunk's start θ₀, where the chunk-start form is that (`spec.MemorySpec.chunk_start_is_recurrent`)."""
     memory, objective, retention = spec.memory, spec.objective, spec.retention
     opt = optax.with_extra_args_support(spec.optimizer)
     params, opt_state, acc, win = state
@@ -50,7 +54,8 @@ def inner_step(spec, state: MemoryState, x: Steps):
     else:
         point = retention.map(base) if retention.has_map else base
 
-    grads = window_gradient(memory, objective, point, inputs, targets, weights, delta)
+    grads = window_gradient(memory, objective, point if gradient_point is None else gradient_point,
+                            inputs, targets, weights, delta)
     sq_norm = jnp.sum(weights * jnp.sum(jnp.square(inputs), axis=-1))
     extra = optimizer_extra_args(x, inputs, targets, weights, sq_norm,
                                  scalar_decay=x.log_decay is not None and x.log_decay.ndim == 0)
@@ -70,8 +75,11 @@ def inner_step(spec, state: MemoryState, x: Steps):
     return new_state, memory.apply(new_params, x.queries)
 
 
-def recurrent_sequence(spec, state: MemoryState, steps: Steps):
-    """Scan ``inner_step`` over all steps of one sequence; returns (final state, outputs [S, d_out])."""
+def recurrent_sequence(spec, state: MemoryState, steps: Steps, gradient_point=None):
+    """Scan ``inner_step`` over all steps of one sequence; returns (final state, outputs [S, d_out]).
+    ``gradient_point``: `inner_step`'s, the same for every step."""
     if steps.restart is None:
-        return jax.lax.scan(lambda s, x: inner_step(spec, s, x), state, steps)
+        return jax.lax.scan(lambda s, x: inner_step(spec, s, x, gradient_point), state, steps)
+    if gradient_point is not None:
+        raise ValueError("recurrent_sequence: gradient_point is one chunk's start θ; restarts start new sequences")
     return jax.lax.scan(lambda s, x: inner_step(spec, restarted(s, state, x.restart), x), state, steps)

@@ -6,8 +6,10 @@ state, retention accumulator, Omega window), the short-convolution tail, and for
 KV cache (``prompt + max_new_tokens`` slots, or a ring buffer of ``window`` slots for sliding
 windows) — then decodes one token at a time on the recurrent form. The chunk-start memories
 (titans, atlas, the MIRAS memories: every gradient of a chunk taken at the chunk's start θ) decode
-what their forward computes instead: the cache keeps the state at the current chunk's start and
-the chunk's inputs so far, and each step runs the chunk form over that chunk
+what their forward computes: the recurrent step with its gradient at the current chunk's start θ,
+which the cache keeps next to the state (`MemoryLayer.decodes_at_chunk_start`), or, where the chunk
+acts as a whole (a chunk-end retention map, Newton–Schulz once per chunk, one step per chunk), a
+replay of the current chunk from its start state and its inputs so far
 (`MemoryLayer.decodes_by_chunk`). A pure memory model's decode step has fixed shapes: its cost per
 token does not depend on the context length.
 

@@ -75,7 +75,7 @@ def memory_op(spec, impl: str, initial_state=None):
 
 def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initial_state=None,
                output_final_state: bool = False, feature_params=None, scale: float = 1.0,
-               fused: dict | None = None, documents: tuple | None = None):
+               fused: dict | None = None, documents: tuple | None = None, gradient_point=None):
     """The one call into the core: (o [B, T, H, V], final state or None).
 
     The exact delta family goes to atlas_jax.ops directly (the same algorithm MemorySpec's chunked
@@ -90,7 +90,12 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
     on chunk boundaries with restarts for the chunk-start forms (``takes_restarts``: about
     T + M·C per row), else one row per document (M·T). Under a mesh the layout is built inside
     each device's shard (``per_batch_shard``): its scatters have data-dependent indices, which
-    XLA's partitioner would otherwise run on the whole batch on every device."""
+    XLA's partitioner would otherwise run on the whole batch on every device. ``gradient_point``:
+    MemorySpec's (a chunk-start memory's decode step), for the recurrent form."""
+    if gradient_point is not None:
+        return spec(q, k, v, **knobs, impl=impl, chunk_size=chunk_size, initial_state=initial_state,
+                    output_final_state=output_final_state, feature_params=feature_params, scale=scale,
+                    gradient_point=gradient_point)
     op = memory_op(spec, impl, initial_state)
     if fused and op is None:
         raise ValueError(f"run_memory: {sorted(fused)} are arguments of the delta-family ops, which do not "
@@ -945,7 +950,8 @@ class MemoryLayer(nnx.Module):
         theta = jax.tree.map(lambda x, ref: jnp.broadcast_to(x, lead + ref.shape), theta, per_head)
         return {"params": theta, "momentum": jax.tree.map(jnp.zeros_like, theta), "point": theta}
 
-    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None):
+    def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None,
+             gradient_point=None):
         if self.step_schedule != "token":
             state = self._chunk_step_state(None) if initial_state is None else initial_state
             decay = None if self.decay is None else (self.A_log[...], self.dt_bias[...])
@@ -959,7 +965,7 @@ class MemoryLayer(nnx.Module):
         return run_memory(self.spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
                           initial_state=initial_state, output_final_state=output_final_state,
                           feature_params=feature_params, scale=self.scale, fused=self._fused(impl),
-                          documents=documents)
+                          documents=documents, gradient_point=gradient_point)
 
     def _out(self, o, x):
         o = checkpoint_name(o, MEMORY_OUTPUT)
@@ -991,13 +997,25 @@ class MemoryLayer(nnx.Module):
         return (self.can_decode and not self.spec.chunked_is_exact and self.impl != "recurrent"
                 and self.chunk_size > 1)
 
+    @property
+    def decodes_at_chunk_start(self) -> bool:
+        """Whether such a layer decodes a token as one recurrent step with its gradient taken at the
+        current chunk's start θ (the cache: the running state and that θ) rather than by replaying
+        the chunk: where the chunk-start form is that recurrence (`MemorySpec.chunk_start_is_recurrent`:
+        no chunk-end map, no Newton–Schulz once per chunk) and a token is one step. A step then costs
+        one token's step, not the chunk's."""
+        return (self.decodes_by_chunk and self.step_schedule == "token" and self.steps == 1
+                and self.spec.chunk_start_is_recurrent)
+
     def prefill(self, x, max_len: int):
         if not self.can_decode:
             raise NotImplementedError(f"{self.spec.name}: a closed form keeps no recurrent state; "
                                       "generate re-runs the whole sequence instead")
         raw = self._projections(x)
         q, k, v, knobs = self._inputs(x, raw=raw)
-        if self.decodes_by_chunk:
+        if self.decodes_at_chunk_start:
+            o, cache = self._prefill_at_chunk_start(q, k, v, knobs)
+        elif self.decodes_by_chunk:
             o, cache = self._prefill_by_chunk(q, k, v, knobs)
         else:
             o, state = self._run(q, k, v, knobs, impl=self.impl, output_final_state=True)
@@ -1014,6 +1032,13 @@ class MemoryLayer(nnx.Module):
             out, new_cache["conv"] = self.conv.step(jnp.concatenate(raw, axis=-1), cache["conv"])
             edges = list(itertools.accumulate(r.shape[-1] for r in raw))[:-1]
             raw = jnp.split(out, edges, axis=-1)
+        if self.decodes_at_chunk_start:
+            q, k, v, knobs = self._split(*raw, x, impl="recurrent")
+            o, state = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
+                                 output_final_state=True, gradient_point=cache["point"])
+            last = jnp.asarray(pos, jnp.int32) % self.chunk_size == self.chunk_size - 1
+            point = jax.tree.map(lambda new, old: jnp.where(last, new, old), state.params, cache["point"])
+            return self._out(o, x), {**new_cache, "memory": state, "point": point}
         if self.decodes_by_chunk:
             q, k, v, knobs = self._split(*raw, x)
             o, chunk_cache = self._decode_by_chunk(q, k, v, knobs, cache, pos)
@@ -1024,7 +1049,9 @@ class MemoryLayer(nnx.Module):
         return self._out(o, x), new_cache
 
     # -- decoding a chunk-start form -------------------------------------------------------------
-    # The cache keeps the state at the current chunk's start ("memory") and the chunk's inputs so
+    # Where the chunk-start form is the recurrence from the chunk's start θ (`decodes_at_chunk_start`)
+    # the cache keeps the running state ("memory") and that θ ("point"), moved on after a chunk's
+    # last token. Elsewhere it replays the chunk: the cache keeps the state at the current chunk's start ("memory") and the chunk's inputs so
     # far ("chunk": q, k, v and the knobs, [B, chunk_size, ...]; chunks start at multiples of
     # chunk_size from the prompt's first token, as in the forward). A decode step writes its token
     # at slot pos mod chunk_size and runs the chunk form on the whole buffer from the chunk's start
@@ -1032,6 +1059,24 @@ class MemoryLayer(nnx.Module):
     # last repeated), which only later reads see, so the token's output is the forward's. Once the
     # slot is the chunk's last, every slot is this chunk's and the call's final state is the next
     # chunk's start. A step costs one chunk's forward, whatever the context.
+    def _prefill_at_chunk_start(self, q, k, v, knobs):
+        """The prompt's outputs, and the cache of `decodes_at_chunk_start`: the state after the prompt
+        and θ at its last chunk boundary A (the prompt's first A tokens run, then the rest from there)."""
+        size, length = self.chunk_size, q.shape[1]
+        start = length // size * size
+        run = lambda lo, hi, state: self._run(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
+                                              jax.tree.map(lambda y: y[:, lo:hi], knobs), impl=self.impl,
+                                              initial_state=state, output_final_state=True)
+        outputs, state = [], self.start_state(q.shape[0])
+        if start > 0:
+            o, state = run(0, start, state)
+            outputs.append(o)
+        point = state.params
+        if start < length:
+            o, state = run(start, length, state)
+            outputs.append(o)
+        return jnp.concatenate(outputs, axis=1), {"memory": state, "point": point}
+
     def _prefill_by_chunk(self, q, k, v, knobs):
         """The prompt's outputs, and the cache at its last chunk boundary A: the prompt's first A
         tokens (whole chunks) give the state, the rest run from it into the chunk buffer."""
