@@ -28,29 +28,27 @@ CORPUS = pathlib.Path(__file__).resolve().parents[1] / "train" / "data" / "shake
 
 
 @contextlib.contextmanager
-def recurrent_decode():
-    """Every memory layer decodes on the token-by-token recurrence (generation before the
-    chunk-start memories decoded by chunk)."""
+def _layers_with(prop: str, value: bool):
+    """Every MemoryLayer's property ``prop`` reads ``value`` inside the context."""
     from atlas_jax.models import layers
-    by_chunk = layers.MemoryLayer.decodes_by_chunk
-    layers.MemoryLayer.decodes_by_chunk = property(lambda self: False)
+    before = getattr(layers.MemoryLayer, prop)
+    setattr(layers.MemoryLayer, prop, property(lambda self: value))
     try:
         yield
     finally:
-        layers.MemoryLayer.decodes_by_chunk = by_chunk
+        setattr(layers.MemoryLayer, prop, before)
 
 
-@contextlib.contextmanager
+def recurrent_decode():
+    """Every memory layer decodes on the token-by-token recurrence (generation before the
+    chunk-start memories decoded what their forward computes)."""
+    return _layers_with("decodes_by_chunk", False)
+
+
 def replay_decode():
     """Every chunk-start memory layer decodes by replaying its current chunk (generation before a
     step took its gradient at the chunk's start θ, `MemoryLayer.decodes_at_chunk_start`)."""
-    from atlas_jax.models import layers
-    at_start = layers.MemoryLayer.decodes_at_chunk_start
-    layers.MemoryLayer.decodes_at_chunk_start = property(lambda self: False)
-    try:
-        yield
-    finally:
-        layers.MemoryLayer.decodes_at_chunk_start = at_start
+    return _layers_with("decodes_at_chunk_start", False)
 
 
 def agreement(model, prompt, new: int) -> dict:
