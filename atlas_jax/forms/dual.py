@@ -693,13 +693,19 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
             raise NotImplementedError("_super_chunk: restarts run through the super-chunk chain or Muon's "
                                       "super-chunks only (`_super_chunks`)")
         carry = restarted(carry, initial, restart[0])
+    run = _muon_super_chunk if opt_info.kind == "muon" else _linear_super_chunk
+    state, outputs = run(spec, opt_info, features, carry, xs, padding_chunks, operands, restart, initial)
+    if restart is not None:
         inside = jnp.any(xs.restart[:, 1:] > 0, axis=1)                 # [S]
-    if opt_info.kind == "muon":
-        state, outputs = _muon_super_chunk(spec, opt_info, features, carry, xs, padding_chunks, operands,
-                                           restart, initial)
-        if restart is not None:
-            outputs = jnp.where(jnp.repeat(inside, b)[:, None], jnp.nan, outputs)
-        return state, outputs
+        outputs = jnp.where(jnp.repeat(inside, b)[:, None], jnp.nan, outputs)
+    return state, outputs
+
+
+def _linear_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks, operands,
+                        restart=None, initial: MemoryState | None = None):
+    """`_super_chunk` where θ's chunk end is linear in the gradients (GD, implicit GD): the chain
+    for a depth-2 MLP, else `_LowRankStart` sub-chunk by sub-chunk. ``restart`` [S] / ``initial``:
+    as `_muon_super_chunk`'s (the chain only)."""
     chain = _chain_covers(spec, carry.params)
     parts = _super_chunk_terms(spec, opt_info, features, carry, xs, padding_chunks, joined_rows=chain,
                                initial_window=None if initial is None or restart is None else initial.window)
@@ -726,8 +732,6 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
                                                                          rows=joined))
         params_end, outputs = _chain(spec, carry.params, features, terms, base_products, joined, raw_keys,
                                      raw_sources, xs.queries if features is not None else None, operands, origin)
-        if restart is not None:
-            outputs = jnp.where(jnp.repeat(inside, b)[:, None], jnp.nan, outputs)
         return carry._replace(params=params_end, window=win), outputs
     start = _LowRankStart(carry.params, features, operands)
     outputs = []
