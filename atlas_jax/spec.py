@@ -263,9 +263,12 @@ class MemorySpec:
                                  f"dtypes {want}, got {got}")
         if feature_params is None:
             feature_params = self.feature_map.init_params()
+        # A state built here starts the inner optimizer from its init (Muon's momentum zero), which
+        # the packed documents' restarts can take as a static fact.
+        fresh_opt_state = restarts is not None and not isinstance(initial_state, MemoryState)
         o, final = _run(self, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
                         impl=impl, chunk_size=chunk_size, steps=n, restarts=restarts, valid=valid,
-                        gradient_point=gradient_point)
+                        gradient_point=gradient_point, fresh_opt_state=fresh_opt_state)
         return o.astype(v.dtype), (final if output_final_state else None)
 
     def _coerce_state(self, initial_state, batch, heads, d_k, d_v) -> MemoryState:
@@ -390,9 +393,9 @@ def _check_impl(where, impl, chunk_size):
     check_chunk_size(where, chunk_size, kernel=impl == "pallas")
 
 
-@partial(jax.jit, static_argnames=("spec", "impl", "chunk_size", "steps"))
+@partial(jax.jit, static_argnames=("spec", "impl", "chunk_size", "steps", "fresh_opt_state"))
 def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale, *, impl, chunk_size, steps,
-         restarts=None, valid=None, gradient_point=None):
+         restarts=None, valid=None, gradient_point=None, fresh_opt_state=False):
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     # The exact family hands q, k, v to the ops as given (bf16 stays bf16 for the kernels, which
     # keep gates, solves and states in float32); every other path computes in float32.
@@ -490,7 +493,7 @@ def _run(spec, q, k, v, beta, g, nu, gamma, delta, state, feature_params, scale,
         pad = (-total) % chunk_size
         padded = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)), bhs)
         run_one = lambda st, xs, point: chunked_sequence(spec, st, xs, chunk_size=chunk_size, features=features,
-                                                         low_precision=low_precision)
+                                                         low_precision=low_precision, fresh_opt_state=fresh_opt_state)
     if deep_kernel_route(spec, state, padded, impl=impl, chunk_size=chunk_size, features=features,
                          low_precision=low_precision):
         # The dual form with its sequential pass on the deep-memory kernel (bf16 dots for bf16 inputs).

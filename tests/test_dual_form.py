@@ -652,21 +652,28 @@ def _one_sequence_steps(spec, K, V, T):
 
 
 # atlas_pp (the gated MLP: two wide weights in Muon's super-chunks) runs with the slow set
-@pytest.mark.parametrize("name,chunk,T", [("omeganet", 4, 45), ("dla", 4, 37), ("atlas", 4, 37),
-                                          pytest.param("atlas_pp", 4, 37, marks=pytest.mark.slow)],
-                         ids=["omeganet-C4-T45", "dla-C4-T37", "atlas-C4-T37", "atlas_pp-C4-T37"])
-def test_super_chunks_restart_packed_documents(name, chunk, T, monkeypatch):
+@pytest.mark.parametrize("name,chunk,T,fresh", [("omeganet", 4, 45, False), ("dla", 4, 37, False),
+                                                ("atlas", 4, 37, False), ("atlas", 4, 37, True),
+                                                pytest.param("atlas_pp", 4, 37, False, marks=pytest.mark.slow)],
+                         ids=["omeganet-C4-T45", "dla-C4-T37", "atlas-C4-T37", "atlas-fresh-C4-T37", "atlas_pp-C4-T37"])
+def test_super_chunks_restart_packed_documents(name, chunk, T, fresh, monkeypatch):
     """Packed documents (restarts at chunk boundaries) in super-chunks of 3: a restart at a
     super-chunk's first chunk starts it from the initial state, one at a later chunk decays θ to
     zero there with the initial θ as a source (and resets W1 and the Omega window; Muon's: the
-    momentum, its Gram matrix, from the initial momentum, which is not zero here): outputs and
-    every gradient against the materialising form, which restarts chunk by chunk."""
-    chains = []
+    momentum, its Gram matrix, from the initial momentum, which is not zero here, or with
+    ``fresh`` from θ_0's params alone, as a model's packed rows start: zero momentum, whose
+    products Muon's super-chunks then leave out): outputs and every gradient against the
+    materialising form, which restarts chunk by chunk."""
+    chains, zero_momentum = [], []
     chain = dual._chain
     monkeypatch.setattr(dual, "_chain", lambda *a, **kw: chains.append(a[-1] is not None) or chain(*a, **kw))
     muon = dual._muon_super_chunk
-    monkeypatch.setattr(dual, "_muon_super_chunk",
-                        lambda *a, **kw: chains.append(a[-2] is not None) or muon(*a, **kw))
+
+    def recording_muon(*a, **kw):
+        chains.append(a[-2] is not None)
+        zero_momentum.append(kw.get("zero_origin_momentum", False))
+        return muon(*a, **kw)
+    monkeypatch.setattr(dual, "_muon_super_chunk", recording_muon)
     monkeypatch.setattr(dual, "BOUNDARY_BYTES_PER_TOKEN", 1)
     monkeypatch.setattr(dual, "GROUP_TOKENS", 3 * chunk)
     monkeypatch.setattr(dual, "SUPER_CHUNK", 3)
@@ -681,8 +688,8 @@ def test_super_chunks_restart_packed_documents(name, chunk, T, monkeypatch):
 
     def outputs_and_grads():
         def loss(q, k, v, knobs, params, feature_params):
-            o, _ = spec(q, k, v, **knobs, initial_state=state._replace(params=params), impl="chunk", chunk_size=chunk,
-                        feature_params=feature_params, restarts=restarts)
+            o, _ = spec(q, k, v, **knobs, initial_state=params if fresh else state._replace(params=params), impl="chunk",
+                        chunk_size=chunk, feature_params=feature_params, restarts=restarts)
             return jnp.sum(o * probe), o
         grads, o = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))(
             q, k, v, knobs, state.params, feature_params)
@@ -693,6 +700,7 @@ def test_super_chunks_restart_packed_documents(name, chunk, T, monkeypatch):
     with chunked.materialising():
         o_ref, g_ref = outputs_and_grads()
     assert any(chains), "the super-chunk chain did not run with restarts"
+    assert set(zero_momentum) == ({fresh} if name.startswith("atlas") else set()), zero_momentum
     assert rel(o_dual, o_ref) < 1e-5
     for label, ga, gb in zip(["q", "k", "v", "knobs", "initial params", "feature coefficients"], g_dual, g_ref):
         assert tree_rel(ga, gb) < 1e-5, label

@@ -385,7 +385,7 @@ def deep_kernel_route(spec, state: MemoryState, steps: Steps, *, impl: str, chun
 
 
 def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
-                     low_precision: bool = False):
+                     low_precision: bool = False, fresh_opt_state: bool = False):
     """Chunk-start-gradient form for one sequence and head; steps already padded to a multiple
     of ``chunk_size``. Returns (final state, outputs [S, d_out]).
 
@@ -399,13 +399,14 @@ def chunked_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int,
     pass (degree-2 features at d = 128 are 8385 wide); to the whole sequence before the
     materialising form. None: the steps carry φ(k) and φ(scale·q) already. ``low_precision`` (bf16
     q, k, v): the dual form's products with θ take bf16 operands (`dual.operand_dtype`); the
-    materialising form ignores it."""
+    materialising form ignores it. ``fresh_opt_state``: ``state``'s optimizer state is the
+    optimizer's init (`dual.dual_sequence`)."""
     from atlas_jax.forms import dual
 
     d_in = None if features is None else features.output_dim(steps.inputs.shape[-1])
     if runs_dual_form(spec, state, steps, chunk_size=chunk_size, d_in=d_in):
         return dual.dual_sequence(spec, state, steps, chunk_size=chunk_size, features=features,
-                                  low_precision=low_precision)
+                                  low_precision=low_precision, fresh_opt_state=fresh_opt_state)
     if features is not None:
         steps = steps._replace(inputs=features(steps.inputs), queries=features(steps.queries))
     return _materialising_sequence(spec, state, steps, chunk_size=chunk_size)

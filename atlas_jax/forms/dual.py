@@ -674,7 +674,7 @@ class _LowRankStart:
 
 
 def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None,
-                 initial: MemoryState | None = None):
+                 initial: MemoryState | None = None, fresh_opt_state: bool = False):
     """``SUPER_CHUNK`` chunks of the grouped scan with θ formed once, at their end: chunk k > 0
     takes its gradients at θ₀ of the earlier chunks' low-rank updates (`_LowRankStart`, or for a
     depth-2 MLP the super-chunk chain, `_chain`): what
@@ -685,7 +685,8 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
     Muon's super-chunks only: a restart at the first chunk starts the super-chunk from ``initial``,
     one at a later chunk decays θ to zero there with ``initial``'s θ as a source (the chain:
     `ops.deep_memory.chain_weights`; Muon: a second base), and a chunk with a restart after its
-    first step gives NaN outputs (`restarting_chunks`)."""
+    first step gives NaN outputs (`restarting_chunks`). ``fresh_opt_state``: ``initial``'s optimizer
+    state is the optimizer's init (Muon's momentum zero, whose products a restart then skips)."""
     restart = None if xs.restart is None else xs.restart[:, 0]
     b = xs.active.shape[1]
     if restart is not None:
@@ -693,8 +694,12 @@ def _super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, paddin
             raise NotImplementedError("_super_chunk: restarts run through the super-chunk chain or Muon's "
                                       "super-chunks only (`_super_chunks`)")
         carry = restarted(carry, initial, restart[0])
-    run = _muon_super_chunk if opt_info.kind == "muon" else _linear_super_chunk
-    state, outputs = run(spec, opt_info, features, carry, xs, padding_chunks, operands, restart, initial)
+    if opt_info.kind == "muon":
+        state, outputs = _muon_super_chunk(spec, opt_info, features, carry, xs, padding_chunks, operands, restart,
+                                           initial, zero_origin_momentum=fresh_opt_state)
+    else:
+        state, outputs = _linear_super_chunk(spec, opt_info, features, carry, xs, padding_chunks, operands, restart,
+                                             initial)
     if restart is not None:
         inside = jnp.any(xs.restart[:, 1:] > 0, axis=1)                 # [S]
         outputs = jnp.where(jnp.repeat(inside, b)[:, None], jnp.nan, outputs)
@@ -815,7 +820,7 @@ MOMENTUM_OF = "_momentum_"   # `_muon_super_chunk`'s extra products with m_B in 
 
 
 def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, padding_chunks=True, operands=None,
-                      restart=None, initial: MemoryState | None = None):
+                      restart=None, initial: MemoryState | None = None, zero_origin_momentum: bool = False):
     """`_super_chunk` for Muon with Newton–Schulz at chunk ends (``ns_every="chunk"``): θ and the
     momentum formed once a super-chunk, although the chunk end NS_J(m) is not linear in m.
 
@@ -844,7 +849,10 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
     rows V, Ṽ and the narrow weights go to zero (the initial ones) there, and A to m_Oᵀm_O. The rows'
     products with θ_O and m_O are a second set of the base products. atlas B1 T4096 H8 D128 bf16
     with 8 documents a row, fwd+bwd on an H200: 553.8 ms against the per-chunk route's 804.6 (435.2
-    without documents; benchmarks/results/packed_super_chunks_h200_2026-11-30.md)."""
+    without documents; benchmarks/results/packed_super_chunks_h200_2026-11-30.md).
+    ``zero_origin_momentum``: m_O is zero (``initial`` was built from θ_0, as a model's packed rows
+    are): its products, its Gram matrix and its terms of θ and m are left out (the same layer:
+    552.2 -> 500.9 ms; benchmarks/results/zero_origin_momentum_h200_2026-11-30.md)."""
     terms, win, joined, raw_keys, raw_sources = _super_chunk_terms(
         spec, opt_info, features, carry, xs, padding_chunks, joined_rows=True,
         initial_window=None if restart is None else initial.window)
@@ -876,11 +884,13 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
         products_by_base = [base]
         if restart is not None:
             params_o, momentum_o = initial.params, initial.opt_state.momentum
-            bases.append((params_o, momentum_o))
+            bases.append((params_o, None if zero_origin_momentum else momentum_o))
             products_by_base.append(_kept(first_layer_products(
-                spec, params_o, *terms, extra={MOMENTUM_OF + key: momentum_o[key] for key in wide},
-                operands=operands, rows=joined)))
-            gram_origin = {key: _exact(momentum_o[key].T, momentum_o[key]) for key in wide}
+                spec, params_o, *terms, operands=operands, rows=joined,
+                extra=None if zero_origin_momentum else {MOMENTUM_OF + key: momentum_o[key] for key in wide})))
+            gram_origin = {key: (jnp.zeros((hidden, hidden), jnp.float32) if zero_origin_momentum
+                                 else _exact(momentum_o[key].T, momentum_o[key]))
+                           for key, hidden in ((key, params_b[key].shape[-1]) for key in wide)}
 
     S, N = n_sub, n_sub * n
     hidden = {key: params_b[key].shape[-1] for key in wide}
@@ -909,14 +919,17 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
         queries') and x Uᵀ."""
         out = _exact(grams, c["rows_t"][key])
         for coef, rows in zip(c["bases"], products):
-            x_theta, x_m = rows[key][side], rows[MOMENTUM_OF + key][side]
-            out = out + coef["decay"] * x_theta + coef["coef"][key] * x_m + _exact(x_m, coef["mix"][key])
+            out = out + coef["decay"] * rows[key][side]
+            if MOMENTUM_OF + key in rows:   # not for a zero m_O
+                x_m = rows[MOMENTUM_OF + key][side]
+                out = out + coef["coef"][key] * x_m + _exact(x_m, coef["mix"][key])
         return out
 
     def momentum_of(c, key, products, side, grams):
         out = _exact(grams, c["rows_m"][key])
         for coef, rows in zip(c["bases"], products):
-            out = out + coef["mu"] * rows[MOMENTUM_OF + key][side]
+            if MOMENTUM_OF + key in rows:
+                out = out + coef["mu"] * rows[MOMENTUM_OF + key][side]
         return out
 
     def restarted_at(c, restart_here):
@@ -1001,9 +1014,11 @@ def _muon_super_chunk(spec, opt_info, features, carry: MemoryState, xs: Steps, p
             params_end[key] = _exact(sources.astype(jnp.float32).T, c["rows_t"][key])
             momentum_end[key] = outer_product(sources, c["rows_m"][key], None, MUON_CHUNK_END_PRECISION)
             for coef, (params, momentum) in zip(c["bases"], bases):
-                w, m = params[key], momentum[key]
-                params_end[key] = params_end[key] + coef["decay"] * w + coef["coef"][key] * m + _exact(m, coef["mix"][key])
-                momentum_end[key] = momentum_end[key] + coef["mu"] * m
+                params_end[key] = params_end[key] + coef["decay"] * params[key]
+                if momentum is not None:
+                    m = momentum[key]
+                    params_end[key] = params_end[key] + coef["coef"][key] * m + _exact(m, coef["mix"][key])
+                    momentum_end[key] = momentum_end[key] + coef["mu"] * m
     state = MemoryState(params_end, inner_opt.MomentumState(momentum_end), carry.accumulator, win)
     return state, outputs.reshape((S * b,) + outputs.shape[2:])
 
@@ -1206,20 +1221,22 @@ def _schedule(spec, opt_info, state: MemoryState, steps: Steps, n_chunks: int, b
 
 
 def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, features=None,
-                  boundary_bytes_per_token=None, low_precision: bool = False):
+                  boundary_bytes_per_token=None, low_precision: bool = False, fresh_opt_state: bool = False):
     """The dual form for one sequence and head (steps padded to a multiple of ``chunk_size``):
     the same (final state, outputs [S, d_out]) as the materialising chunked form.
 
     ``features`` (a ``common.Features``): the steps' inputs and queries are the raw k and scale·q,
     and φ is formed chunk by chunk (what the backward pass keeps is then d wide, not d_φ).
-    ``low_precision``: θ's products take bf16 operands (`operand_dtype`)."""
+    ``low_precision``: θ's products take bf16 operands (`operand_dtype`). ``fresh_opt_state``:
+    ``state``'s optimizer state is the optimizer's init, a fact the restarts take (`_super_chunk`)."""
     opt_info = inner_opt.info(spec.optimizer)
     operands = operand_dtype(low_precision)
     aligned = _aligned_features(spec, state, steps, features)
     if aligned is not None:
         features, pad_state, unpad_state = aligned
         final, outputs = dual_sequence(spec, pad_state(state), steps, chunk_size=chunk_size, features=features,
-                                       boundary_bytes_per_token=boundary_bytes_per_token, low_precision=low_precision)
+                                       boundary_bytes_per_token=boundary_bytes_per_token, low_precision=low_precision,
+                                       fresh_opt_state=fresh_opt_state)
         return unpad_state(final), outputs
     if features is not None and operands is not None:
         features = _OperandFeatures(features, operands)
@@ -1258,7 +1275,7 @@ def dual_sequence(spec, state: MemoryState, steps: Steps, *, chunk_size: int, fe
         else:
             chunk = jax.checkpoint(
                 lambda carry, xs: _super_chunk(spec, opt_info, features, carry, xs, padding_chunks=pad >= b,
-                                               operands=operands, initial=state),
+                                               operands=operands, initial=state, fresh_opt_state=fresh_opt_state),
                 policy=policy)
         # Not unrolled (CHUNK_UNROLL): on an H200 unrolling by 4 made omeganet B1 T1024 H8 D128 bf16
         # fwd+bwd 45.1 -> 42.1 ms and atlas 190.2 -> 185.9, but XLA's compiled memory at B1 T4096
