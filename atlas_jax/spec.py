@@ -36,8 +36,8 @@ step: k [B, T, H, n, K], v [B, T, H, n, V] (DeltaProduct); otherwise each step r
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass, field, replace
+from functools import cached_property, partial
 from typing import Any
 
 import jax
@@ -136,6 +136,20 @@ class MemorySpec:
         return ((retention.decay == "none" or retention.decoupled)
                 and not (retention.has_map and retention.map_at == "chunk_end")
                 and not (info.kind == "muon" and info.ns_every == "chunk"))
+
+    @cached_property
+    def inside_chunk(self) -> "MemorySpec":
+        """The spec whose steps the chunk-start form takes before a chunk's last: itself, except
+        for Muon with Newton–Schulz once per chunk, whose steps inside a chunk are plain momentum
+        steps (``optimizers.muon``: m_t = ν_t m_{t−1} + g_t, updates −β_t m_t) and whose chunk's
+        last step then takes the chunk's steps along NS_J(m_b) instead,
+        θ_b = P_b θ₀ − (Σ_{i≤b} (P_b/P_i) β_i) NS_J(m_b). Where that spec's
+        ``chunk_start_is_recurrent``, so is every step before the chunk's last (a decode step,
+        `models.layers.MemoryLayer.decode`). Cached: one object, so jit sees one static spec."""
+        info = inner_opt.info(self.optimizer)
+        if info.kind == "muon" and info.ns_every == "chunk":
+            return replace(self, optimizer=inner_opt.momentum(info.step_size, info.momentum_decay))
+        return self
 
     @property
     def has_kernel(self) -> bool:

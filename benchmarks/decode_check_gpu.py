@@ -4,6 +4,7 @@ decode step takes (`decode_agreement.agreement`) as generation decodes (a recurr
 gradient at the chunk's start θ), by replaying the chunk, and on the plain recurrence.
 
     python benchmarks/decode_check_gpu.py --out $OUT      # writes decode_check_gpu.json
+    python benchmarks/decode_check_gpu.py --rows atlas-ns-chunk-170m --out $OUT     # one row
 """
 from __future__ import annotations
 
@@ -33,15 +34,20 @@ def check(name, size, overrides, prompt_len, new, dtype):
     return row
 
 
+# label -> check()'s model, size, overrides, prompt, new tokens (bf16 every one)
+ROWS = {"titans-tiny": ("titans", "tiny", {}, 100, 40), "atlas-tiny": ("atlas", "tiny", {}, 100, 40),
+        "omeganet-tiny": ("omeganet", "tiny", {}, 100, 40), "titans-170m": ("titans", "170m", {}, 100, 12),
+        "atlas-ns-chunk-tiny": ("atlas", "tiny", {"preset_options": {"ns_every": "chunk"}}, 100, 40),
+        "atlas-ns-chunk-170m": ("atlas", "170m", {"preset_options": {"ns_every": "chunk"}}, 100, 40)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     a = ap.parse_args()
     import_tree()
-    rows = [check("titans", "tiny", {}, 100, 40, "bfloat16"),
-            check("atlas", "tiny", {}, 100, 40, "bfloat16"),
-            check("omeganet", "tiny", {}, 100, 40, "bfloat16"),
-            check("titans", "170m", {}, 100, 12, "bfloat16")]
+    rows = [check(*ROWS[label][:3], *ROWS[label][3:], "bfloat16") for label in a.rows]
     with open(os.path.join(a.out, "decode_check_gpu.json"), "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from atlas_jax import optimizers as inner_opt
 from atlas_jax.kernels.delta_family.support import fused_gate
 from atlas_jax.memory import LinearMemory
 from atlas_jax.models.config import STEP_SCHEDULES
@@ -932,6 +933,12 @@ class MemoryLayer(nnx.Module):
         """θ of a state ``start_state`` or a final state made: what reading the memory applies."""
         return state["params"] if isinstance(state, dict) else state.params
 
+    def _feature_params(self):
+        """φ's parameters as the spec takes them: the layer's learned coefficients, else φ's own."""
+        if self.feature_coeffs is None:
+            return self.spec.feature_map.init_params()
+        return {"coeffs": self.feature_coeffs[...].astype(jnp.float32)}
+
     def read(self, params, x):
         """M_θ(x) without a step: θ ``params`` [B, H, ...] per row and head, x [B, S, H, d_in] ->
         [B, S, H, V] (MAC's retrieval; a chunk-step decode token before its chunk's last)."""
@@ -951,7 +958,8 @@ class MemoryLayer(nnx.Module):
         return {"params": theta, "momentum": jax.tree.map(jnp.zeros_like, theta), "point": theta}
 
     def _run(self, q, k, v, knobs, *, impl, initial_state=None, output_final_state=False, documents=None,
-             gradient_point=None):
+             gradient_point=None, spec=None):
+        """``spec``: in place of the layer's (`MemorySpec.inside_chunk`, a decode step's)."""
         if self.step_schedule != "token":
             state = self._chunk_step_state(None) if initial_state is None else initial_state
             decay = None if self.decay is None else (self.A_log[...], self.dt_bias[...])
@@ -959,10 +967,10 @@ class MemoryLayer(nnx.Module):
                                        chunk_size=self.chunk_size, state=state, decay_params=decay,
                                        output_final_state=output_final_state, documents=documents)
             return o * self.scale, final
-        feature_params = None if self.feature_coeffs is None else {"coeffs": self.feature_coeffs[...].astype(jnp.float32)}
+        feature_params = None if self.feature_coeffs is None else self._feature_params()
         if initial_state is None:
             initial_state = self.theta0()
-        return run_memory(self.spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
+        return run_memory(self.spec if spec is None else spec, q, k, v, knobs, impl=impl, chunk_size=self.chunk_size,
                           initial_state=initial_state, output_final_state=output_final_state,
                           feature_params=feature_params, scale=self.scale, fused=self._fused(impl),
                           documents=documents, gradient_point=gradient_point)
@@ -1001,11 +1009,15 @@ class MemoryLayer(nnx.Module):
     def decodes_at_chunk_start(self) -> bool:
         """Whether such a layer decodes a token as one recurrent step with its gradient taken at the
         current chunk's start θ (the cache: the running state and that θ) rather than by replaying
-        the chunk: where the chunk-start form is that recurrence (`MemorySpec.chunk_start_is_recurrent`:
-        no chunk-end map, no Newton–Schulz once per chunk) and a token is one step. A step then costs
-        one token's step, not the chunk's."""
+        the chunk: where the chunk-start form's steps inside a chunk are that recurrence
+        (`MemorySpec.inside_chunk`'s ``chunk_start_is_recurrent``: no chunk-end map) and a token is
+        one step. Muon with Newton–Schulz once per chunk (a scalar decay or none) steps as plain
+        momentum and closes each chunk with NS (`_close_chunk`). A step then costs one token's
+        step, not the chunk's."""
+        inside = self.spec.inside_chunk
         return (self.decodes_by_chunk and self.step_schedule == "token" and self.steps == 1
-                and self.spec.chunk_start_is_recurrent)
+                and inside.chunk_start_is_recurrent
+                and (inside is self.spec or not (self.spec.retention.has_map or self.decay == "channel")))
 
     def prefill(self, x, max_len: int):
         if not self.can_decode:
@@ -1034,9 +1046,12 @@ class MemoryLayer(nnx.Module):
             raw = jnp.split(out, edges, axis=-1)
         if self.decodes_at_chunk_start:
             q, k, v, knobs = self._split(*raw, x, impl="recurrent")
+            inside = self.spec.inside_chunk
             o, state = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
-                                 output_final_state=True, gradient_point=cache["point"])
+                                 output_final_state=True, gradient_point=cache["point"], spec=inside)
             last = jnp.asarray(pos, jnp.int32) % self.chunk_size == self.chunk_size - 1
+            if inside is not self.spec:
+                o, state, new_cache["chunk_sums"] = self._close_chunk(q, knobs, o, state, cache, last)
             point = jax.tree.map(lambda new, old: jnp.where(last, new, old), state.params, cache["point"])
             return self._out(o, x), {**new_cache, "memory": state, "point": point}
         if self.decodes_by_chunk:
@@ -1062,21 +1077,73 @@ class MemoryLayer(nnx.Module):
     # forward, whatever the context.
     def _prefill_at_chunk_start(self, q, k, v, knobs):
         """The prompt's outputs, and the cache of `decodes_at_chunk_start`: the state after the prompt
-        and θ at its last chunk boundary A (the prompt's first A tokens run, then the rest from there)."""
+        and θ at its last chunk boundary A (the prompt's first A tokens run, then the rest from there).
+        With NS once per chunk the rest runs as the plain-momentum recurrence from θ at A (the chunk
+        form would close the open chunk with NS at the prompt's last token), and the cache keeps
+        the open chunk's P and Σ (P/P_i) β_i (`_close_chunk`)."""
         size, length = self.chunk_size, q.shape[1]
         start = length // size * size
-        run = lambda lo, hi, state: self._run(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
-                                              jax.tree.map(lambda y: y[:, lo:hi], knobs), impl=self.impl,
-                                              initial_state=state, output_final_state=True)
+        part = lambda lo, hi: (q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], jax.tree.map(lambda y: y[:, lo:hi], knobs))
+        inside = self.spec.inside_chunk
         outputs, state = [], self.start_state(q.shape[0])
         if start > 0:
-            o, state = run(0, start, state)
+            o, state = self._run(*part(0, start), impl=self.impl, initial_state=state, output_final_state=True)
             outputs.append(o)
         point = state.params
         if start < length:
-            o, state = run(start, length, state)
+            if inside is self.spec:
+                o, state = self._run(*part(start, length), impl=self.impl, initial_state=state, output_final_state=True)
+            else:
+                o, state = self._run(*part(start, length), impl="recurrent", initial_state=state,
+                                     output_final_state=True, gradient_point=point, spec=inside)
             outputs.append(o)
-        return jnp.concatenate(outputs, axis=1), {"memory": state, "point": point}
+        cache = {"memory": state, "point": point}
+        if inside is not self.spec:
+            beta, log_alpha = self._steps_and_log_decays(part(start, length)[3], q[:, start:])
+            after = jnp.cumsum(log_alpha[:, ::-1], axis=1)[:, ::-1] - log_alpha   # Σ_{j>i} log α_j
+            cache["chunk_sums"] = {"decay": jnp.exp(jnp.sum(log_alpha, axis=1)),
+                                   "step": jnp.sum(jnp.exp(after) * beta, axis=1)}
+        return jnp.concatenate(outputs, axis=1), cache
+
+    def _steps_and_log_decays(self, knobs, q):
+        """Each token's step size β and log decay log α, [B, T, H] float32, as the spec's forms take them."""
+        shape = q.shape[:3]
+        beta = knobs.get("beta")
+        if beta is None:
+            beta = jnp.full(shape, inner_opt.info(self.spec.optimizer).step_size, jnp.float32)
+        retention = self.spec.retention
+        if retention.decay == "none" or (retention.log_decay is None and knobs.get("g") is None):
+            log_alpha = jnp.zeros(shape, jnp.float32)
+        elif retention.log_decay is not None:
+            log_alpha = jnp.full(shape, retention.log_decay, jnp.float32)
+        else:
+            log_alpha = knobs["g"].astype(jnp.float32)
+        return beta.astype(jnp.float32), log_alpha
+
+    def _close_chunk(self, q, knobs, o, state, cache, last):
+        """Muon with NS once per chunk, one decode token after its plain-momentum step: the open
+        chunk's P = Π α_i and S = Σ_i (P/P_i) β_i move on; at the chunk's last token θ becomes
+        P θ₀ − S NS_J(m), which the token reads and the next chunk starts from, and P, S restart
+        (`forms.chunked._chunk_end_orthogonalized`)."""
+        beta, log_alpha = self._steps_and_log_decays(knobs, q)
+        alpha = jnp.exp(log_alpha[:, 0])
+        decay = alpha * cache["chunk_sums"]["decay"]
+        step = alpha * cache["chunk_sums"]["step"] + beta[:, 0]
+        info = inner_opt.info(self.spec.optimizer)
+
+        def close(_):
+            direction = jax.vmap(jax.vmap(lambda m: inner_opt.orthogonalize(m, info)))(state.opt_state.momentum)
+            per_head = lambda s, x: s.reshape(s.shape + (1,) * (x.ndim - 2))
+            theta = jax.tree.map(lambda p0, n: per_head(decay, p0) * p0 - per_head(step, n) * n,
+                                 cache["point"], direction)
+            read = self.read(theta, self.spec.feature_map.apply(self._feature_params(), self.scale * q.astype(jnp.float32)))
+            return read.astype(o.dtype), theta, jnp.ones_like(decay), jnp.zeros_like(step)
+
+        def keep(_):
+            return o, state.params, decay, step
+
+        o, params, decay, step = jax.lax.cond(last, close, keep, None)
+        return o, state._replace(params=params), {"decay": decay, "step": step}
 
     def _prefill_by_chunk(self, q, k, v, knobs):
         """The prompt's outputs, and the cache at its last chunk boundary A: the prompt's first A
