@@ -66,7 +66,8 @@ def agreement(model, prompt, new: int) -> dict:
     worst, scale, agree, times = 0.0, 0.0, 0, []
     for i in range(new - 1):
         buffer = buffer.at[:, P + i].set(token)
-        reference = forward(model, buffer)[:, P + i].astype(jnp.float32)
+        # ready before the clock starts: else the step's time holds the forward's tail
+        reference = jax.block_until_ready(forward(model, buffer)[:, P + i].astype(jnp.float32))
         start = time.perf_counter()
         logits, cache = step(state, token[:, None], cache, jnp.int32(P + i))
         logits = jax.block_until_ready(logits)[:, 0].astype(jnp.float32)
