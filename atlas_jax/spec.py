@@ -140,16 +140,22 @@ class MemorySpec:
     @cached_property
     def inside_chunk(self) -> "MemorySpec":
         """The spec whose steps the chunk-start form takes before a chunk's last: itself, except
-        for Muon with Newton–Schulz once per chunk, whose steps inside a chunk are plain momentum
-        steps (``optimizers.muon``: m_t = ν_t m_{t−1} + g_t, updates −β_t m_t) and whose chunk's
-        last step then takes the chunk's steps along NS_J(m_b) instead,
-        θ_b = P_b θ₀ − (Σ_{i≤b} (P_b/P_i) β_i) NS_J(m_b). Where that spec's
-        ``chunk_start_is_recurrent``, so is every step before the chunk's last (a decode step,
-        `models.layers.MemoryLayer.decode`). Cached: one object, so jit sees one static spec."""
+        where the chunk's end acts on the chunk as a whole. Muon with Newton–Schulz once per chunk
+        steps as plain momentum inside it (``optimizers.muon``: m_t = ν_t m_{t−1} + g_t, updates
+        −β_t m_t), its last step taking the chunk's steps along NS_J(m_b) instead,
+        A_b = P_b A₀ − (Σ_{i≤b} (P_b/P_i) β_i) NS_J(m_b); a retention map at chunk ends (moneta,
+        memora) moves θ linearly inside it, with the map's decay and no map, and maps A_b at its
+        end. Where that spec's ``chunk_start_is_recurrent``, so is every step before the chunk's
+        last (a decode step, `models.layers.MemoryLayer.decode`). Cached: one object, so jit sees
+        one static spec."""
         info = inner_opt.info(self.optimizer)
+        inside = self
         if info.kind == "muon" and info.ns_every == "chunk":
-            return replace(self, optimizer=inner_opt.momentum(info.step_size, info.momentum_decay))
-        return self
+            inside = replace(inside, optimizer=inner_opt.momentum(info.step_size, info.momentum_decay))
+        retention = self.retention
+        if retention.has_map and retention.map_at == "chunk_end":
+            inside = replace(inside, retention=Retention(retention.decay, retention.log_decay, retention.decoupled))
+        return inside
 
     @property
     def has_kernel(self) -> bool:

@@ -38,7 +38,9 @@ def check(name, size, overrides, prompt_len, new, dtype):
 ROWS = {"titans-tiny": ("titans", "tiny", {}, 100, 40), "atlas-tiny": ("atlas", "tiny", {}, 100, 40),
         "omeganet-tiny": ("omeganet", "tiny", {}, 100, 40), "titans-170m": ("titans", "170m", {}, 100, 12),
         "atlas-ns-chunk-tiny": ("atlas", "tiny", {"preset_options": {"ns_every": "chunk"}}, 100, 40),
-        "atlas-ns-chunk-170m": ("atlas", "170m", {"preset_options": {"ns_every": "chunk"}}, 100, 40)}
+        "atlas-ns-chunk-170m": ("atlas", "170m", {"preset_options": {"ns_every": "chunk"}}, 100, 40),
+        "moneta-tiny": ("moneta", "tiny", {}, 100, 40), "memora-tiny": ("memora", "tiny", {}, 100, 40),
+        "moneta-170m": ("moneta", "170m", {}, 100, 40), "memora-170m": ("memora", "170m", {}, 100, 40)}
 
 
 def main():

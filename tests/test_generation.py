@@ -31,9 +31,9 @@ def _reforward_greedy(model, prompt, new):
 
 # The chunk-start memories (titans, atlas, omeganet and the titans hybrids) decode what their
 # forward computes: one recurrent step with the gradient at the current chunk's start θ
-# (`MemoryLayer.decodes_at_chunk_start`; atlas with Newton–Schulz once per chunk steps its plain
-# momentum and closes each chunk with NS), or by replaying the current chunk where a chunk acts
-# as a whole (`MemoryLayer.decodes_by_chunk`: moneta, memora, the chunk schedules). At chunk 8 the
+# (`MemoryLayer.decodes_at_chunk_start`; atlas with Newton–Schulz once per chunk and moneta and
+# memora, whose retention maps act at chunk ends, step linearly and close each chunk at its last
+# token), or by replaying the current chunk (`MemoryLayer.decodes_by_chunk`: the chunk schedules). At chunk 8 the
 # prompt of 20 leaves a chunk of 4 open and the 12 new tokens close two; at chunk 4 the prompt ends
 # on a boundary, at 32 it closes no chunk (at chunk 1 their chunked form is the recurrence, which
 # decodes as the delta family's does). titans on titans-pytorch's schedules (one step per chunk)
@@ -51,6 +51,8 @@ def _reforward_greedy(model, prompt, new):
     ("atlas", {"chunk_size": 8}),
     ("atlas", {"chunk_size": 8, "preset_options": {"ns_every": "chunk"}}),   # NS closing each chunk
     ("omeganet", {"chunk_size": 8}),                                          # the window across chunks
+    ("moneta", {"chunk_size": 8}),                                            # maps at chunk ends
+    ("memora", {"chunk_size": 8}),
     ("transformer", {}),
     ("swa", {}),
     ("titans_mag", {"chunk_size": 8}),
@@ -60,7 +62,7 @@ def _reforward_greedy(model, prompt, new):
 def test_cached_greedy_equals_reforward(name, overrides):
     model = build(name, "tiny", rngs=nnx.Rngs(0), **overrides)
     layers = [m for _, m in nnx.iter_modules(model) if hasattr(m, "decodes_at_chunk_start")]
-    if name in ("titans", "atlas", "omeganet") and overrides.get("step_schedule", "token") == "token":
+    if name in ("titans", "atlas", "omeganet", "moneta", "memora") and overrides.get("step_schedule", "token") == "token":
         assert all(m.decodes_at_chunk_start for m in layers), "the decode route under test"
     prompt = jax.random.randint(jax.random.PRNGKey(1), (2, PROMPT), 0, 256, dtype=jnp.int32)
     expected, step_logits = _reforward_greedy(model, prompt, NEW)

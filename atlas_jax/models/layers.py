@@ -1010,14 +1010,15 @@ class MemoryLayer(nnx.Module):
         """Whether such a layer decodes a token as one recurrent step with its gradient taken at the
         current chunk's start θ (the cache: the running state and that θ) rather than by replaying
         the chunk: where the chunk-start form's steps inside a chunk are that recurrence
-        (`MemorySpec.inside_chunk`'s ``chunk_start_is_recurrent``: no chunk-end map) and a token is
-        one step. Muon with Newton–Schulz once per chunk (a scalar decay or none) steps as plain
-        momentum and closes each chunk with NS (`_close_chunk`). A step then costs one token's
-        step, not the chunk's."""
+        (`MemorySpec.inside_chunk`'s ``chunk_start_is_recurrent``) and a token is one step. Muon
+        with Newton–Schulz once per chunk and the retention maps at chunk ends (moneta, memora)
+        step linearly inside a chunk and close it at its last token (`_step_closing_chunks`; a scalar
+        decay or none, not both at once). A step then costs one token's step, not the chunk's."""
         inside = self.spec.inside_chunk
+        closes = inside is not self.spec
+        both = inside.optimizer is not self.spec.optimizer and self.spec.retention.has_map
         return (self.decodes_by_chunk and self.step_schedule == "token" and self.steps == 1
-                and inside.chunk_start_is_recurrent
-                and (inside is self.spec or not (self.spec.retention.has_map or self.decay == "channel")))
+                and inside.chunk_start_is_recurrent and not (closes and (both or self.decay == "channel")))
 
     def prefill(self, x, max_len: int):
         if not self.can_decode:
@@ -1046,12 +1047,12 @@ class MemoryLayer(nnx.Module):
             raw = jnp.split(out, edges, axis=-1)
         if self.decodes_at_chunk_start:
             q, k, v, knobs = self._split(*raw, x, impl="recurrent")
-            inside = self.spec.inside_chunk
-            o, state = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
-                                 output_final_state=True, gradient_point=cache["point"], spec=inside)
             last = jnp.asarray(pos, jnp.int32) % self.chunk_size == self.chunk_size - 1
-            if inside is not self.spec:
-                o, state, new_cache["chunk_sums"] = self._close_chunk(q, knobs, o, state, cache, last)
+            if self.spec.inside_chunk is not self.spec:
+                o, open_chunk = self._step_closing_chunks(q, k, v, knobs, cache, last)
+                return self._out(o, x), {**new_cache, **open_chunk}
+            o, state = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
+                                 output_final_state=True, gradient_point=cache["point"])
             point = jax.tree.map(lambda new, old: jnp.where(last, new, old), state.params, cache["point"])
             return self._out(o, x), {**new_cache, "memory": state, "point": point}
         if self.decodes_by_chunk:
@@ -1078,27 +1079,37 @@ class MemoryLayer(nnx.Module):
     def _prefill_at_chunk_start(self, q, k, v, knobs):
         """The prompt's outputs, and the cache of `decodes_at_chunk_start`: the state after the prompt
         and θ at its last chunk boundary A (the prompt's first A tokens run, then the rest from there).
-        With NS once per chunk the rest runs as the plain-momentum recurrence from θ at A (the chunk
-        form would close the open chunk with NS at the prompt's last token), and the cache keeps
-        the open chunk's P and Σ (P/P_i) β_i (`_close_chunk`)."""
+        Where a chunk's end acts on the chunk (`MemorySpec.inside_chunk`) the rest runs as the
+        inside-chunk recurrence from θ at A (the chunk form would close the open chunk at the
+        prompt's last token), and the cache keeps what closing the chunk needs
+        (`_step_closing_chunks`): with Muon the open chunk's P and Σ (P/P_i) β_i, with a retention
+        map the accumulator's own recurrence from A."""
         size, length = self.chunk_size, q.shape[1]
         start = length // size * size
         part = lambda lo, hi: (q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], jax.tree.map(lambda y: y[:, lo:hi], knobs))
         inside = self.spec.inside_chunk
+        closes = inside is not self.spec
         outputs, state = [], self.start_state(q.shape[0])
         if start > 0:
             o, state = self._run(*part(0, start), impl=self.impl, initial_state=state, output_final_state=True)
             outputs.append(o)
-        point = state.params
+        point, accumulator = state.params, state.accumulator
+        if closes:   # inside a chunk the memory moves without the map: no accumulator
+            state = state._replace(accumulator=None)
         if start < length:
-            if inside is self.spec:
-                o, state = self._run(*part(start, length), impl=self.impl, initial_state=state, output_final_state=True)
+            if closes:
+                inside_run = lambda s: self._run(*part(start, length), impl="recurrent", initial_state=s,
+                                                 output_final_state=True, gradient_point=point, spec=inside)
+                if accumulator is not None:   # the same steps from A
+                    accumulator = inside_run(state._replace(params=accumulator))[1].params
+                o, state = inside_run(state)
             else:
-                o, state = self._run(*part(start, length), impl="recurrent", initial_state=state,
-                                     output_final_state=True, gradient_point=point, spec=inside)
+                o, state = self._run(*part(start, length), impl=self.impl, initial_state=state, output_final_state=True)
             outputs.append(o)
         cache = {"memory": state, "point": point}
-        if inside is not self.spec:
+        if closes and accumulator is not None:
+            cache["accumulator"] = accumulator
+        elif closes:
             beta, log_alpha = self._steps_and_log_decays(part(start, length)[3], q[:, start:])
             after = jnp.cumsum(log_alpha[:, ::-1], axis=1)[:, ::-1] - log_alpha   # Σ_{j>i} log α_j
             cache["chunk_sums"] = {"decay": jnp.exp(jnp.sum(log_alpha, axis=1)),
@@ -1120,30 +1131,55 @@ class MemoryLayer(nnx.Module):
             log_alpha = knobs["g"].astype(jnp.float32)
         return beta.astype(jnp.float32), log_alpha
 
-    def _close_chunk(self, q, knobs, o, state, cache, last):
-        """Muon with NS once per chunk, one decode token after its plain-momentum step: the open
-        chunk's P = Π α_i and S = Σ_i (P/P_i) β_i move on; at the chunk's last token θ becomes
-        P θ₀ − S NS_J(m), which the token reads and the next chunk starts from, and P, S restart
-        (`forms.chunked._chunk_end_orthogonalized`)."""
+    def _step_closing_chunks(self, q, k, v, knobs, cache, last):
+        """A decode token where a chunk's end acts on the chunk (`MemorySpec.inside_chunk`): the
+        token's inside-chunk step, its gradient at the chunk's start θ₀, and at the chunk's last
+        token the chunk's close, which that token reads and the next chunk starts from. Returns
+        (o, the cache's new entries).
+
+        * Muon with NS once per chunk: the running state is θ's plain-momentum recurrence, read as
+          it is; the open chunk's P = Π α_i and S = Σ_i (P/P_i) β_i move on, and the chunk closes
+          to θ = P θ₀ − S NS_J(m) (`forms.chunked._chunk_end_orthogonalized`).
+        * A retention map at chunk ends (moneta, memora): the linear θ (read) and the accumulator A
+          take the same steps u_t from θ₀ and A₀ (θ = α θ + u, A = α A + u, u from the step on
+          zero weights), and the chunk closes to θ = map(A). Both are kept: θ₀ = map(A₀) can be
+          thousands of times A₀ (moneta) or far below it (memora), and either one formed from the
+          other loses its digits."""
+        inside = self.spec.inside_chunk
+        run = lambda state: self._run(q, k, v, knobs, impl="recurrent", initial_state=state, output_final_state=True,
+                                      gradient_point=cache["point"], spec=inside)
         beta, log_alpha = self._steps_and_log_decays(knobs, q)
         alpha = jnp.exp(log_alpha[:, 0])
+        per_head = lambda s, x: s.reshape(s.shape + (1,) * (x.ndim - 2))
+        fq = self.spec.feature_map.apply(self._feature_params(), self.scale * q.astype(jnp.float32))
+        read = lambda theta: self.read(theta, fq).astype(v.dtype)
+        retention = self.spec.retention
+
+        if "accumulator" in cache:
+            zero = cache["memory"]._replace(params=jax.tree.map(jnp.zeros_like, cache["memory"].params))
+            _, stepped = run(zero)
+            advance = lambda x, u: per_head(alpha, x) * x + u
+            theta = jax.tree.map(advance, cache["memory"].params, stepped.params)
+            accumulator = jax.tree.map(advance, cache["accumulator"], stepped.params)
+            close = lambda _: jax.vmap(jax.vmap(retention.map))(accumulator)
+            theta = jax.lax.cond(last, close, lambda _: theta, None)
+            point = jax.tree.map(lambda new, old: jnp.where(last, new, old), theta, cache["point"])
+            return read(theta), {"memory": stepped._replace(params=theta), "point": point, "accumulator": accumulator}
+
+        o, state = run(cache["memory"])
         decay = alpha * cache["chunk_sums"]["decay"]
         step = alpha * cache["chunk_sums"]["step"] + beta[:, 0]
         info = inner_opt.info(self.spec.optimizer)
 
         def close(_):
             direction = jax.vmap(jax.vmap(lambda m: inner_opt.orthogonalize(m, info)))(state.opt_state.momentum)
-            per_head = lambda s, x: s.reshape(s.shape + (1,) * (x.ndim - 2))
-            theta = jax.tree.map(lambda p0, n: per_head(decay, p0) * p0 - per_head(step, n) * n,
-                                 cache["point"], direction)
-            read = self.read(theta, self.spec.feature_map.apply(self._feature_params(), self.scale * q.astype(jnp.float32)))
-            return read.astype(o.dtype), theta, jnp.ones_like(decay), jnp.zeros_like(step)
+            theta = jax.tree.map(lambda p0, n: per_head(decay, p0) * p0 - per_head(step, n) * n, cache["point"], direction)
+            return read(theta), theta, jnp.ones_like(decay), jnp.zeros_like(step)
 
-        def keep(_):
-            return o, state.params, decay, step
-
-        o, params, decay, step = jax.lax.cond(last, close, keep, None)
-        return o, state._replace(params=params), {"decay": decay, "step": step}
+        o, theta, decay, step = jax.lax.cond(last, close, lambda _: (o, state.params, decay, step), None)
+        point = jax.tree.map(lambda new, old: jnp.where(last, new, old), theta, cache["point"])
+        return o, {"memory": state._replace(params=theta), "point": point,
+                   "chunk_sums": {"decay": decay, "step": step}}
 
     def _prefill_by_chunk(self, q, k, v, knobs):
         """The prompt's outputs, and the cache at its last chunk boundary A: the prompt's first A
