@@ -1066,17 +1066,17 @@ class MemoryLayer(nnx.Module):
 
     # -- decoding a chunk-start form -------------------------------------------------------------
     # Where the chunk-start form is the recurrence from the chunk's start θ (`decodes_at_chunk_start`)
-    # the cache keeps the running state ("memory") and that θ ("point"), moved on after a chunk's
-    # last token; where a chunk's end acts on the chunk, also what closing it needs ("chunk_sums"
-    # or "accumulator", `_step_closing_chunks`). Elsewhere a step replays the chunk: the cache
-    # keeps the state at the current chunk's start ("memory") and the chunk's inputs so far
-    # ("chunk": q, k, v and the knobs, [B, chunk_size, ...]; chunks start at multiples of
-    # chunk_size from the prompt's first token, as in the forward). A replaying step writes its token at slot pos mod chunk_size and runs the
-    # chunk form on the whole buffer from the chunk's start state: the slots after the token hold
-    # other real tokens (the chunk before's, or the prompt's last repeated), which only later reads
-    # see, so the token's output is the forward's. Once the slot is the chunk's last, every slot is
-    # this chunk's and the call's final state is the next chunk's start. It costs one chunk's
-    # forward, whatever the context.
+    # the cache keeps the running state ("memory") and that θ ("point"), moved on after a chunk's last
+    # token; where a chunk's end acts on the chunk, also what closing it needs ("chunk_sums" or
+    # "accumulator", `_step_closing_chunks`). Elsewhere a step replays the chunk: the cache keeps the
+    # state at the current chunk's start ("memory") and the chunk's inputs so far ("chunk": q, k, v
+    # and the knobs, [B, chunk_size, ...]; chunks start at multiples of chunk_size from the prompt's
+    # first token, as in the forward). A replaying step writes its token at slot pos mod chunk_size
+    # and runs the chunk form on the whole buffer from the chunk's start state: the slots after the
+    # token hold other real tokens (the chunk before's, or the prompt's last repeated), which only
+    # later reads see, so the token's output is the forward's. Once the slot is the chunk's last,
+    # every slot is this chunk's and the call's final state is the next chunk's start. It costs one
+    # chunk's forward, whatever the context.
     def _prefill_at_chunk_start(self, q, k, v, knobs):
         """The prompt's outputs, and the cache of `decodes_at_chunk_start`: the state after the prompt
         and θ at its last chunk boundary A (the prompt's first A tokens run, then the rest from there).
