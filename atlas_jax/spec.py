@@ -131,11 +131,7 @@ class MemorySpec:
         θ₀ decayed to the step), no chunk-end retention map and no Newton–Schulz once per chunk (both
         act on the chunk as a whole). Then a decode step costs one token's step, not the chunk's
         (`models.layers.MemoryLayer.decode`)."""
-        info = inner_opt.info(self.optimizer)
-        retention = self.retention
-        return ((retention.decay == "none" or retention.decoupled)
-                and not (retention.has_map and retention.map_at == "chunk_end")
-                and not (info.kind == "muon" and info.ns_every == "chunk"))
+        return (self.retention.decay == "none" or self.retention.decoupled) and self.inside_chunk is self
 
     @cached_property
     def inside_chunk(self) -> "MemorySpec":

@@ -7,10 +7,10 @@ KV cache (``prompt + max_new_tokens`` slots, or a ring buffer of ``window`` slot
 windows) — then decodes one token at a time on the recurrent form. The chunk-start memories
 (titans, atlas, the MIRAS memories: every gradient of a chunk taken at the chunk's start θ) decode
 what their forward computes: the recurrent step with its gradient at the current chunk's start θ,
-which the cache keeps next to the state (`MemoryLayer.decodes_at_chunk_start`), or, where the chunk
-acts as a whole (a chunk-end retention map, Newton–Schulz once per chunk, one step per chunk), a
-replay of the current chunk from its start state and its inputs so far
-(`MemoryLayer.decodes_by_chunk`). A pure memory model's decode step has fixed shapes: its cost per
+which the cache keeps next to the state (`MemoryLayer.decodes_at_chunk_start`); where a chunk's
+end acts on the chunk (Newton–Schulz once per chunk, a retention map at chunk ends) the chunk's
+last token closes it. titans-pytorch's one step per chunk reads the chunk's start weights and
+runs the chunk at its last token (`MemoryLayer.decodes_by_chunk`). A pure memory model's decode step has fixed shapes: its cost per
 token does not depend on the context length.
 
 Models without a decode cache (MAC hybrids, the closed forms DeepTransformer/SWDT/Dot) are

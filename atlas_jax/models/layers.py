@@ -1162,8 +1162,9 @@ class MemoryLayer(nnx.Module):
             advance = lambda x, u: per_head(alpha, x) * x + u
             theta = jax.tree.map(advance, cache["memory"].params, stepped.params)
             accumulator = jax.tree.map(advance, cache["accumulator"], stepped.params)
-            close = lambda _: jax.vmap(jax.vmap(retention.map))(accumulator)
-            theta = jax.lax.cond(last, close, lambda _: theta, None)
+            # a select, not a lax.cond: the map is cheap, and a GPU conditional syncs with the host
+            mapped = jax.vmap(jax.vmap(retention.map))(accumulator)
+            theta = jax.tree.map(lambda new, old: jnp.where(last, new, old), mapped, theta)
             point = jax.tree.map(lambda new, old: jnp.where(last, new, old), theta, cache["point"])
             return read(theta), {"memory": stepped._replace(params=theta), "point": point, "accumulator": accumulator}
 
