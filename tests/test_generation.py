@@ -120,6 +120,35 @@ def test_generate_without_cache_for_mac_and_closed_forms():
         np.testing.assert_array_equal(np.asarray(generate(model, prompt, 4, temperature=0.0)), np.asarray(expected))
 
 
+def test_generate_decides_chunk_ends_when_tracing():
+    """`generate` traces a chunk's closing step apart from the others (static ``chunk_end``): the
+    steps before the first chunk end, whole chunks in an outer scan, and a tail that closes a
+    chunk and steps past it (prompt 5, chunk 4: positions 5-6, 7-14, then 15 closing and 16-17),
+    or none before the first end (prompt 7). Its tokens are those of `decode_step_fn` deciding
+    each chunk end on the device, and the two step functions' logits agree at every step (atlas,
+    Newton–Schulz closing each chunk)."""
+    model = build("atlas", "tiny", rngs=nnx.Rngs(0), chunk_size=4, preset_options={"ns_every": "chunk"})
+    assert model.decodes_chunk_ends and not build("gated_deltanet", "tiny", rngs=nnx.Rngs(0)).decodes_chunk_ends
+    graphdef, state = nnx.split(model)
+    step = decode_step_fn(graphdef)
+    for length, new in ((5, 14), (7, 3)):
+        prompt = jax.random.randint(jax.random.PRNGKey(length), (2, length), 0, 256, dtype=jnp.int32)
+        logits, cache = prefill_fn(graphdef, length + new)(state, prompt)
+        static_cache, token, tokens = cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32), []
+        for i in range(new - 1):
+            tokens.append(token)
+            pos = length + i
+            logits, cache = step(state, token[:, None], cache, jnp.int32(pos))
+            static, static_cache = step(state, token[:, None], static_cache, jnp.int32(pos), chunk_end=pos % 4 == 3)
+            np.testing.assert_allclose(static, logits, rtol=1e-6, atol=1e-6)
+            token = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        tokens.append(token)
+        np.testing.assert_array_equal(np.asarray(generate(model, prompt, new, temperature=0.0)),
+                                      np.asarray(jnp.stack(tokens, axis=1)))
+    with pytest.raises(ValueError, match="argument `chunk_end` must be None or a Python bool"):
+        step(state, token[:, None], cache, jnp.int32(length + new), chunk_end=1)
+
+
 def test_samplers():
     logits = jax.random.normal(jax.random.PRNGKey(0), (4, 50)) * 3
     greedy = jnp.argmax(logits, axis=-1)

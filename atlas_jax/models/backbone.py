@@ -93,10 +93,10 @@ class Block(nnx.Module):
             x = x + y.astype(jnp.float32)
         return x, caches
 
-    def decode(self, x, cache, pos):
+    def decode(self, x, cache, pos, *, chunk_end=None):
         new = {}
         for i, (norm, mix) in enumerate(self._parts()):
-            y, new[f"mix{i}"] = mix.decode(norm(x), cache[f"mix{i}"], pos)
+            y, new[f"mix{i}"] = mix.decode(norm(x), cache[f"mix{i}"], pos, chunk_end=chunk_end)
             x = x + y.astype(jnp.float32)
         return x, new
 
@@ -150,6 +150,15 @@ class LanguageModel(nnx.Module):
     def can_decode(self) -> bool:
         return self.config.kind not in ("mac", "closed_form")
 
+    @property
+    def decodes_chunk_ends(self) -> bool:
+        """Whether a decode step's work depends on ``pos`` being a chunk's last position (a memory
+        layer that decodes its chunk-start form: `MemoryLayer.decodes_by_chunk`)."""
+        block = self.blocks
+        mixes = [getattr(block, f"mix{i}") for i in range(len(block.kinds))]
+        layers = [getattr(mix, "memory", mix) for mix in mixes]
+        return any(isinstance(layer, MemoryLayer) and layer.decodes_by_chunk for layer in layers)
+
     # -- the calls -------------------------------------------------------------------------------
     def __call__(self, tokens, segment_ids=None):
         self._check_tokens(tokens)
@@ -188,8 +197,29 @@ class LanguageModel(nnx.Module):
         x, cache = self._run_blocks(lambda block, x: block.prefill(x, max_len), x)
         return self._logits(x), cache
 
-    def decode(self, token, cache, pos):
-        """One token [B, 1] at absolute position ``pos`` (int32 scalar) -> (logits [B, 1, V], cache)."""
+    def decode(self, token, cache, pos, *, chunk_end=None):
+        """One token [B, 1] at absolute position ``pos`` (int32 scalar) -> (logits [B, 1, V], cache).
+        ``chunk_end``: None, or whether ``pos`` is a memory chunk's last position
+        (pos % config.chunk_size == config.chunk_size − 1), as a Python bool (`MemoryLayer.decode`)."""
         x = self.embed(token).astype(jnp.float32)
-        x, cache = self._run_blocks(lambda block, x, c: block.decode(x, c, pos), x, cache)
+        layer = lambda cache, i: jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), cache)
+
+        # The stacked cache rides in the layer scan's carry: each block reads its slice and writes
+        # back only the entries its step changed, in place where the cache is carried (`generate`'s
+        # scan over tokens). As the scan's input and output it was a new [layers, ...] buffer every
+        # token, every entry copied (a deep memory's cache is θ-sized: 1.34 GB at atlas 170m B2).
+        # atlas 170m, NS per chunk, bf16 B2 on an H200: generate 5.94 -> 3.53 ms a token with the
+        # static chunk ends (`MemoryLayer.decode`), 4.28 with them and the cache as input and output
+        # (benchmarks/results/decode_carry_h200_2026-12-01.md).
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0), unroll=1 if self.config.scan_layers else True)
+        def blocks(block, carry):
+            x, cache, i = carry
+            old = layer(cache, i)
+            x, new = block.decode(x, old, pos, chunk_end=chunk_end)
+            cache = jax.tree.map(lambda c, n, o: c if n is o else jax.lax.dynamic_update_index_in_dim(
+                c, n.astype(c.dtype), i, 0), cache, new, old)
+            return (x, cache, i + 1), None
+
+        (x, cache, _), _ = blocks(self.blocks, (x, cache, jnp.int32(0)))
         return self._logits(x), cache
+

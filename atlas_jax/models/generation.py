@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["generate", "sample_logits", "decode_step_fn", "prefill_fn"]
+__all__ = ["generate", "sample_logits", "decode_step_fn", "prefill_fn", "chunk_ends"]
 
 
 def _check_sampling(temperature, top_k, top_p):
@@ -68,11 +68,20 @@ def prefill_fn(graphdef, max_len: int):
 
 
 def decode_step_fn(graphdef):
-    """jit(state, token [B, 1], cache, pos) -> (logits [B, 1, V], cache): the per-token step."""
-    @jax.jit
-    def step(state, token, cache, pos):
-        return nnx.merge(graphdef, state).decode(token, cache, pos)
+    """jit(state, token [B, 1], cache, pos, chunk_end=None) -> (logits [B, 1, V], cache): the
+    per-token step. ``chunk_end`` (static): None, or whether ``pos`` is a memory chunk's last
+    position (`chunk_ends`), compiled apart so that no branch is decided on the device."""
+    @partial(jax.jit, static_argnames=("chunk_end",))
+    def step(state, token, cache, pos, chunk_end=None):
+        return nnx.merge(graphdef, state).decode(token, cache, pos, chunk_end=chunk_end)
     return step
+
+
+def chunk_ends(config, positions):
+    """For each absolute position, whether it is a memory chunk's last (Python bools), as
+    `LanguageModel.decode`'s ``chunk_end`` takes them."""
+    size = config.chunk_size
+    return [int(p) % size == size - 1 for p in positions]
 
 
 @partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p"))
@@ -84,15 +93,50 @@ def _generate_cached(model, prompt, key, *, max_new_tokens, temperature, top_k, 
     first = sample(logits[:, -1], keys[0])
     graphdef, state = nnx.split(model)
 
-    def body(carry, step_key):
-        # nnx refuses variables of an outer trace inside this scan: the parameters ride in the carry.
-        params, token, cache, pos = carry
-        step_logits, cache = nnx.merge(graphdef, params).decode(token[:, None], cache, pos)
-        nxt = sample(step_logits[:, 0], step_key)
-        return (params, nxt, cache, pos + 1), nxt
+    def steps(carry, step_keys, chunk_end):
+        """A scan of decode steps whose positions all are (or all are not) chunk ends."""
+        def body(carry, step_key):
+            # nnx refuses variables of an outer trace inside this scan: the parameters ride in the carry.
+            params, token, cache, pos = carry
+            step_logits, cache = nnx.merge(graphdef, params).decode(token[:, None], cache, pos, chunk_end=chunk_end)
+            nxt = sample(step_logits[:, 0], step_key)
+            return (params, nxt, cache, pos + 1), nxt
+        return jax.lax.scan(body, carry, step_keys)
 
-    _, rest = jax.lax.scan(body, (state, first, cache, jnp.int32(time)), keys[1:])
-    return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+    # The steps run at positions time … time + max_new_tokens − 2. A chunk's last position closes it
+    # (Newton–Schulz, a retention map, the chunk-step schedule's step): that step is traced apart,
+    # and the rest without the closing branch, as runs of chunk_size − 1 steps between chunk ends
+    # (an outer scan over whole chunks), so no step decides a branch on the device.
+    carry, tokens = (state, first, cache, jnp.int32(time)), [first[:, None]]
+    n_steps = max_new_tokens - 1
+    if not model.decodes_chunk_ends:
+        if n_steps:
+            tokens.append(jnp.moveaxis(steps(carry, keys[1:], None)[1], 0, 1))
+        return jnp.concatenate(tokens, axis=1)
+    size = model.config.chunk_size
+    head = min(n_steps, (size - 1 - time) % size)            # the steps before the first chunk end
+    whole, tail = divmod(n_steps - head, size)
+
+    def run(carry, step_keys, chunk_end):
+        if len(step_keys):
+            carry, out = steps(carry, step_keys, chunk_end)
+            tokens.append(jnp.moveaxis(out, 0, 1))
+        return carry
+
+    carry = run(carry, keys[1:1 + head], False)
+    if whole:
+        def chunk(carry, chunk_keys):
+            carry, closing = steps(carry, chunk_keys[:1], True)
+            carry, others = steps(carry, chunk_keys[1:], False)
+            return carry, jnp.concatenate([closing, others])
+        lo = 1 + head
+        carry, out = jax.lax.scan(chunk, carry, keys[lo:lo + whole * size].reshape((whole, size) + keys.shape[1:]))
+        tokens.append(jnp.moveaxis(out.reshape((whole * size,) + out.shape[2:]), 0, 1))
+    if tail:
+        lo = 1 + head + whole * size
+        carry = run(carry, keys[lo:lo + 1], True)
+        run(carry, keys[lo + 1:], False)
+    return jnp.concatenate(tokens, axis=1)
 
 
 @partial(nnx.jit, static_argnames=("temperature", "top_k", "top_p"))

@@ -39,9 +39,9 @@ class MAG(nnx.Module):
         m, memory_cache = self.memory.prefill(x, max_len)
         return self._combine(a, m), {"attention": attention_cache, "memory": memory_cache}
 
-    def decode(self, x, cache, pos):
+    def decode(self, x, cache, pos, *, chunk_end=None):
         a, attention_cache = self.attention.decode(x, cache["attention"], pos)
-        m, memory_cache = self.memory.decode(x, cache["memory"], pos)
+        m, memory_cache = self.memory.decode(x, cache["memory"], pos, chunk_end=chunk_end)
         return self._combine(a, m), {"attention": attention_cache, "memory": memory_cache}
 
 

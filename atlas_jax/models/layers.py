@@ -398,8 +398,23 @@ class SwiGLU(nnx.Module):
     def prefill(self, x, max_len):
         return self(x), {}
 
-    def decode(self, x, cache, pos):
+    def decode(self, x, cache, pos, *, chunk_end=None):
         return self(x), cache
+
+
+def _select(last, new, old):
+    """``new`` where ``last`` else ``old``, leaf by leaf; ``last`` a traced bool or a Python one
+    (then no select is traced)."""
+    if isinstance(last, bool):
+        return new if last else old
+    return jax.tree.map(lambda n, o: jnp.where(last, n, o), new, old)
+
+
+def _cond(last, when_true, when_false, operand):
+    """`jax.lax.cond`, or the one branch a Python bool ``last`` picks."""
+    if isinstance(last, bool):
+        return (when_true if last else when_false)(operand)
+    return jax.lax.cond(last, when_true, when_false, operand)
 
 
 def _shift(x, lag):
@@ -591,7 +606,7 @@ class Attention(nnx.Module):
                  "pos": jnp.full((slots,), -1, jnp.int32).at[index].set(kept.astype(jnp.int32))}
         return self._out(o), cache
 
-    def decode(self, x, cache, pos):
+    def decode(self, x, cache, pos, *, chunk_end=None):
         batch = x.shape[0]
         q, k, v = self._qkv(x, jnp.full((batch, 1), pos))
         slots = cache["pos"].shape[0]
@@ -1038,7 +1053,11 @@ class MemoryLayer(nnx.Module):
             cache["conv"] = self.conv.history(jnp.concatenate([r[:, max(r.shape[1] - tail, 0):] for r in raw], axis=-1))
         return self._out(o, x), cache
 
-    def decode(self, x, cache, pos):
+    def decode(self, x, cache, pos, *, chunk_end=None):
+        """One token [B, 1, width] at absolute position ``pos``. ``chunk_end``: None, or whether
+        ``pos`` is a chunk's last position (pos % chunk_size == chunk_size − 1) as a Python bool,
+        for a caller that knows it statically (`generation.generate`): a chunk-start layer then
+        traces only the branch that runs, with no conditional on the device."""
         raw = self._projections(x)
         new_cache = dict(cache)
         if self.conv is not None:
@@ -1047,22 +1066,32 @@ class MemoryLayer(nnx.Module):
             raw = jnp.split(out, edges, axis=-1)
         if self.decodes_at_chunk_start:
             q, k, v, knobs = self._split(*raw, x, impl="recurrent")
-            last = jnp.asarray(pos, jnp.int32) % self.chunk_size == self.chunk_size - 1
+            last = self._chunk_end(pos, chunk_end)
             if self.spec.inside_chunk is not self.spec:
                 o, open_chunk = self._step_closing_chunks(q, k, v, knobs, cache, last)
                 return self._out(o, x), {**new_cache, **open_chunk}
             o, state = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
                                  output_final_state=True, gradient_point=cache["point"])
-            point = jax.tree.map(lambda new, old: jnp.where(last, new, old), state.params, cache["point"])
+            point = _select(last, state.params, cache["point"])
             return self._out(o, x), {**new_cache, "memory": state, "point": point}
         if self.decodes_by_chunk:
             q, k, v, knobs = self._split(*raw, x)
-            o, chunk_cache = self._decode_by_chunk(q, k, v, knobs, cache, pos)
+            o, chunk_cache = self._decode_by_chunk(q, k, v, knobs, cache, pos, chunk_end)
             return self._out(o, x), {**new_cache, **chunk_cache}
         q, k, v, knobs = self._split(*raw, x, impl="recurrent")
         o, new_cache["memory"] = self._run(q, k, v, knobs, impl="recurrent", initial_state=cache["memory"],
                                            output_final_state=True)
         return self._out(o, x), new_cache
+
+    def _chunk_end(self, pos, chunk_end):
+        """Whether ``pos`` is its chunk's last position: ``chunk_end`` where the caller knows it
+        (a Python bool), else a traced bool."""
+        if chunk_end is None:
+            return jnp.asarray(pos, jnp.int32) % self.chunk_size == self.chunk_size - 1
+        if not isinstance(chunk_end, bool):
+            raise ValueError(f"decode: argument `chunk_end` must be None or a Python bool (static), got "
+                             f"{type(chunk_end).__name__}; pass None to derive it from `pos` on the device.")
+        return chunk_end
 
     # -- decoding a chunk-start form -------------------------------------------------------------
     # Where the chunk-start form is the recurrence from the chunk's start θ (`decodes_at_chunk_start`)
@@ -1163,9 +1192,10 @@ class MemoryLayer(nnx.Module):
             theta = jax.tree.map(advance, cache["memory"].params, stepped.params)
             accumulator = jax.tree.map(advance, cache["accumulator"], stepped.params)
             # a select, not a lax.cond: the map is cheap, and a GPU conditional syncs with the host
-            mapped = jax.vmap(jax.vmap(retention.map))(accumulator)
-            theta = jax.tree.map(lambda new, old: jnp.where(last, new, old), mapped, theta)
-            point = jax.tree.map(lambda new, old: jnp.where(last, new, old), theta, cache["point"])
+            if last is not False:
+                mapped = jax.vmap(jax.vmap(retention.map))(accumulator)
+                theta = _select(last, mapped, theta)
+            point = _select(last, theta, cache["point"])
             return read(theta), {"memory": stepped._replace(params=theta), "point": point, "accumulator": accumulator}
 
         o, state = run(cache["memory"])
@@ -1178,8 +1208,8 @@ class MemoryLayer(nnx.Module):
             theta = jax.tree.map(lambda p0, n: per_head(decay, p0) * p0 - per_head(step, n) * n, cache["point"], direction)
             return read(theta), theta, jnp.ones_like(decay), jnp.zeros_like(step)
 
-        o, theta, decay, step = jax.lax.cond(last, close, lambda _: (o, state.params, decay, step), None)
-        point = jax.tree.map(lambda new, old: jnp.where(last, new, old), theta, cache["point"])
+        o, theta, decay, step = _cond(last, close, lambda _: (o, state.params, decay, step), None)
+        point = _select(last, theta, cache["point"])
         return o, {"memory": state._replace(params=theta), "point": point,
                    "chunk_sums": {"decay": decay, "step": step}}
 
@@ -1207,18 +1237,18 @@ class MemoryLayer(nnx.Module):
             return jnp.concatenate([y, fill], axis=1) if start < length else jnp.repeat(y, size, axis=1)
         return jnp.concatenate(outputs, axis=1), {"memory": state, "chunk": jax.tree.map(buffer, so_far)}
 
-    def _decode_by_chunk(self, q, k, v, knobs, cache, pos):
+    def _decode_by_chunk(self, q, k, v, knobs, cache, pos, chunk_end=None):
         size = self.chunk_size
         slot = jnp.asarray(pos, jnp.int32) % size
         put = lambda buf, y: jax.lax.dynamic_update_slice_in_dim(buf, y.astype(buf.dtype), slot, axis=1)
         chunk = jax.tree.map(put, cache["chunk"], {"q": q, "k": k, "v": v, "knobs": knobs})
-        last = slot == size - 1
+        last = self._chunk_end(pos, chunk_end)
         if self.step_schedule != "token":
             o, state = self._decode_chunk_steps(q, chunk, cache["memory"], last)
             return o, {"memory": state, "chunk": chunk}
         o, end = self._run(chunk["q"], chunk["k"], chunk["v"], chunk["knobs"], impl=self.impl,
                            initial_state=cache["memory"], output_final_state=True)
-        state = jax.tree.map(lambda e, s: jnp.where(last, e, s), end, cache["memory"])
+        state = _select(last, end, cache["memory"])
         return jax.lax.dynamic_slice_in_dim(o, slot, 1, axis=1), {"memory": state, "chunk": chunk}
 
     def _decode_chunk_steps(self, q, chunk, state, last):
@@ -1236,4 +1266,4 @@ class MemoryLayer(nnx.Module):
             params = jax.tree.map(lambda x: x.astype(dtype), state["params"])
             return (self.read(params, q) * self.scale).astype(q.dtype), state
 
-        return jax.lax.cond(last, step, read, state)
+        return _cond(last, step, read, state)
