@@ -7,7 +7,8 @@ Per row (bf16 weights, B2, a 100-token prompt of random tokens):
     ``chunk_end`` (static), also ``step_static_ms`` (the steps that are no chunk's end) and
     ``closing_static_ms`` (those that are);
   * ``generate_ms_per_token``: `generate(..., temperature=0)` of ``--new`` tokens, less the prefill,
-    over its ``--new`` − 1 decode steps (the second of two calls; the first compiles).
+    over its ``--new`` − 1 decode steps (the better of two calls after a first, which compiles:
+    ``generate_first_s``).
 
     python benchmarks/decode_speed.py --rows atlas-ns-chunk-170m titans-170m --out $OUT
     python benchmarks/decode_speed.py --root build/before --label before ...   # another tree
@@ -80,7 +81,9 @@ def measure(name, size, overrides, *, steps: int, new: int, batch: int = 2, prom
         else:
             row["step_static_ms"] = _median(regular[2:])
             row["closing_static_ms"] = _median(closing)
+    start = time.perf_counter()
     jax.block_until_ready(generate(model, prompt, new, temperature=0.0))
+    row["generate_first_s"] = time.perf_counter() - start   # compiling it, mostly
     times = []
     for _ in range(2):
         start = time.perf_counter()
