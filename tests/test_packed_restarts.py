@@ -137,7 +137,9 @@ def test_chunk_aligned_layout(gap):
     doc = jnp.asarray([[i for i, (s0, s1) in enumerate(bs) for _ in range(s1 - s0)] for bs in BOUNDS])
     pos = jnp.asarray([[t - s0 for (s0, s1) in bs for t in range(s0, s1)] for bs in BOUNDS])
     dest, length, restarts, valid, overflow = layers.chunk_aligned_layout(doc, pos, C, 3, gap=gap)
-    assert length == -(-(T + 3 * (C - 1 + gap)) // C) * C and not bool(overflow.any())
+    # a row's first document starts at 0: only the two before the last are padded (the last is
+    # followed by its gap)
+    assert length == -(-(T + 2 * (C - 1 + gap) + gap) // C) * C and not bool(overflow.any())
     for b, bounds in enumerate(BOUNDS):
         starts = [int(dest[b, s0]) for s0, _ in bounds]
         assert all(s % C == 0 for s in starts) and starts == sorted(starts)
@@ -147,3 +149,24 @@ def test_chunk_aligned_layout(gap):
         before = [bool(valid[b, s - 1]) for s in starts[1:]]
         # row 0's first document is a whole chunk: without a gap the next one follows it directly
         assert (not any(before)) if gap else before == ([True, False] if b == 0 else [False])
+
+
+@pytest.mark.parametrize("gap", [False, True])
+def test_chunk_aligned_layout_fits_the_worst_rows(gap):
+    """The static length holds every row: documents of one token past a chunk (the most padding
+    each), every split of a row into up to M documents of random lengths, and rows of fewer; with a
+    gap a padding token follows every document, the last one included."""
+    rng = np.random.default_rng(0)
+    time, m = 3 * C, 3
+    # C + 1 wastes C − 1 slots of its second chunk; with a gap C wastes C: the last document then
+    # ends (and, with a gap, is followed by padding) exactly at the bound
+    rows = [[C + 1, C + 1, C - 2], [C, C, C], [1, 1, time - 2], [time]]
+    for _ in range(40):
+        cuts = np.sort(rng.choice(np.arange(1, time), size=rng.integers(0, m), replace=False))
+        rows.append(list(np.diff(np.concatenate([[0], cuts, [time]]))))
+    doc = jnp.asarray([[i for i, n in enumerate(r) for _ in range(n)] for r in rows])
+    pos = jnp.asarray([[t for n in r for t in range(n)] for r in rows])
+    dest, length, restarts, valid, overflow = layers.chunk_aligned_layout(doc, pos, C, m, gap=gap)
+    assert length == -(-(time + (m - 1) * (C - 1 + gap) + gap) // C) * C and not bool(overflow.any())
+    assert int(dest.max()) + gap < length
+    assert int(valid.sum()) == len(rows) * time and bool(jnp.all(dest[:, 0] == 0))

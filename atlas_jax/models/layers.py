@@ -89,7 +89,7 @@ def run_memory(spec, q, k, v, knobs: dict, *, impl: str, chunk_size: int, initia
     from the initial state (no final state). The cheapest exact layout the route allows: one
     varlen row for the delta-family kernels (``packs_documents``: B·T tokens of work), documents
     on chunk boundaries with restarts for the chunk-start forms (``takes_restarts``: about
-    T + M·C per row), else one row per document (M·T). Under a mesh the layout is built inside
+    T + (M − 1)·C per row), else one row per document (M·T). Under a mesh the layout is built inside
     each device's shard (``per_batch_shard``): its scatters have data-dependent indices, which
     XLA's partitioner would otherwise run on the whole batch on every device. ``gradient_point``:
     MemorySpec's (a chunk-start memory's decode step), for the recurrent form."""
@@ -307,8 +307,11 @@ def chunk_aligned_layout(doc, pos, chunk_size: int, max_documents: int, *, gap: 
     Returns (dest [B, T] each token's position in the new rows, length T' (a multiple of
     ``chunk_size``, room for max_documents documents), restarts [B, T'] at each document's first
     position, valid [B, T'] on the documents' tokens (False on the padding), overflow [B, T]:
-    tokens of documents past max_documents). T' ≤ T + M·(C − 1) (T + M·C with ``gap``), where
-    one row per document (``to_document_rows``) costs M·T."""
+    tokens of documents past max_documents). A row's first document starts at 0, a chunk boundary
+    already, and only the documents before its last are padded, so T' is T + (M − 1)·(C − 1)
+    (T + (M − 1)·C + 1 with ``gap``) rounded up to a multiple of C, where one row per document
+    (``to_document_rows``) costs M·T. (The demo's rows, T 128 with up to 2 documents at C 64:
+    3 chunks instead of the 4 of T + M·(C − 1).)"""
     batch, time = doc.shape
     c, m = chunk_size, max_documents
     clipped = jnp.minimum(doc, m - 1)
@@ -316,7 +319,8 @@ def chunk_aligned_layout(doc, pos, chunk_size: int, max_documents: int, *, gap: 
     lengths = jnp.zeros((batch, m), jnp.int32).at[b, clipped].add(1)
     padded = (lengths + c - 1 + gap) // c * c
     offsets = jnp.cumsum(padded, axis=1) - padded                          # [B, M]
-    length = -(-(time + m * (c - 1 + gap)) // c) * c
+    # the last document's tokens end by T + (M − 1)(C − 1 + gap), and a gap follows it too
+    length = -(-(time + (m - 1) * (c - 1 + gap) + gap) // c) * c
     overflow = doc >= m
     dest = jnp.where(overflow, length, offsets[b, clipped] + pos)            # out of range: dropped
     starts = jnp.where(lengths > 0, offsets, length)
@@ -671,7 +675,7 @@ def run_chunk_steps(spec, q, k, v, knobs: dict, *, schedule: str, impl: str, chu
     [H, ...] or [B, H, ...]; the next state has the same keys, "point" moved on where each chunk is
     a segment. A sequence shorter than a chunk is read with the state's θ (nothing is written).
     ``documents``: as ``run_memory``'s: each document moved to a chunk boundary, the op restarting
-    from ``state`` there (``chunk_aligned_layout``; about T + M·C tokens of work a row). Without a
+    from ``state`` there (``chunk_aligned_layout``; about T + (M − 1)·C tokens of work a row). Without a
     final state and from a state per head, each device of a batch mesh runs its own rows
     (``per_batch_shard``)."""
     from atlas_jax.ops.deep_memory import chunk_step_memory
