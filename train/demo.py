@@ -26,7 +26,7 @@ from pathlib import Path
 
 # (preset, label, its own settings). ATLAS orthogonalises the chunk-end momentum once per chunk of 64
 # (ns_every=chunk, the O(T·d) dual form) instead of every token's (the paper's ns_every=token): on a
-# 2-core CPU the per-token form takes ~35 s per step here, the per-chunk one ~0.7 s.
+# 2-core CPU the per-token form takes ~35 s per step here, the per-chunk one ~0.5 s.
 DEMO_MODELS = (("atlas", "ATLAS", ("model.preset_options.ns_every=chunk", "model.chunk_size=64")),
                ("transformer", "Transformer++", ()))
 DEMO_PROMPT = "ROMEO:\nBut soft, what light"
