@@ -5,7 +5,9 @@ Every sequence-mixing layer offers three calls with the same parameters:
 
   ``layer(x, segment_ids=None, positions=None)``  training / scoring over [B, T, width]
   ``layer.prefill(x, max_len)``                    the same output plus the cache decoding continues from
-  ``layer.decode(x, cache, pos)``                  one token [B, 1, width] at absolute position ``pos``
+  ``layer.decode(x, cache, pos, chunk_end=None)``  one token [B, 1, width] at absolute position ``pos``
+                                                   (``chunk_end``: whether ``pos`` ends a memory chunk,
+                                                   when the caller knows it while tracing)
 
 The memory layer (ATLAS §5 / MIRAS / Titans backbone, fla's GatedDeltaNet layer): linear q/k/v
 projections, a causal depthwise short convolution (kernel 4, SiLU) on each, L2-normalised q and k,
