@@ -209,9 +209,16 @@ NS_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 NS_METHODS = ("auto", "direct", "gram")
-# "auto" takes the Gram route from this aspect ratio and size on: below them the small n × n
-# products are as many launches as the direct iteration's and save little
-_GRAM_MIN_ASPECT, _GRAM_MIN_SIZE = 4, 1 << 18
+# "auto" takes the Gram route where it saves enough of the direct iteration's FLOPs to pay for its
+# n × n chain's launches. For an a : 1 matrix and J = 5 it does (20a + 10)/(8a + 30) times fewer
+# (1.45 at a = 4, 1.7 at a = 6). Either (least entries, least aspect) pair below takes it; on an
+# H200 (float32 at the default precision; `benchmarks/results/ns_gram_threshold_h200_2026-12-01.md`):
+#   * from 2¹⁸ entries at 4:1: [2145, 256] 0.96 against 1.60 ms (64 matrices);
+#   * from 2¹⁴ entries at 6:1: atlas 170m's [1225, 192] 0.359 against 0.501 ms and [1225, 48] 0.106
+#     against 0.130 (32 matrices); at 4:1 and below 2¹⁸ the chain breaks even or loses: [192, 48]
+#     0.059 against 0.049 ms, and atlas' dual form with its [512, 128] W1 at B1 H8 took 437.8
+#     against 435.2 ms a layer's fwd+bwd.
+_GRAM_ROUTE = ((1 << 18, 4), (1 << 14, 6))
 
 
 def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7,
@@ -236,7 +243,8 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     ill-conditioned [2145, 256] matrices: float32 1.0e-5 (direct 9.4e-6), TF32-rounded operands
     (a GPU's default float32 matmul) 5.7e-3 (direct 5.6e-3), bf16 operands 5.1e-2 (direct 4.6e-2;
     `benchmarks/results/ns_gram_route_cpu_2026-11-26.md`).
-    "auto": "gram" on matrices at least 4× longer than wide with ≥ 2¹⁸ entries, else "direct".
+    "auto": "gram" on matrices at least 4× longer than wide with ≥ 2¹⁸ entries or at least 6× longer
+    with ≥ 2¹⁴ entries, else "direct".
 
     ``residual_name``: a `jax.ad_checkpoint.checkpoint_name` given to the norm and the Gram
     matrices of x (the products that read all of it), so that a rematerialisation policy can keep
@@ -278,7 +286,7 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     x = x / (norm + eps)
     short, long = min(x.shape[-2:]), max(x.shape[-2:])
     if method == "auto":
-        method = "gram" if long >= _GRAM_MIN_ASPECT * short and long * short >= _GRAM_MIN_SIZE else "direct"
+        method = "gram" if any(long * short >= size and long >= aspect * short for size, aspect in _GRAM_ROUTE) else "direct"
     if method == "gram":
         return _newton_schulz_gram(x, steps, coefficients, mm, gram_of, apply_left, short)
     for _ in range(steps):

@@ -33,9 +33,10 @@ def main(argv=None):
                         help='JSON of the preset\'s options, e.g. \'{"ns_every": "chunk"}\' for atlas: its '
                              'default, NS on every m_t, needs 72 GiB at 340M B1 T512')
     parser.add_argument("--out", default=None, help="folder for model_step.json (default $OUT)")
+    parser.add_argument("--root", default=None, help="the checkout to import atlas_jax from (default: this one)")
     args = parser.parse_args(argv)
 
-    import_tree()
+    import_tree(args.root) if args.root else import_tree()
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -87,6 +87,8 @@ def main(argv=None):
     parser.add_argument("--methods", default="direct,gram")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="N,m,n",
+                        help="matrix shapes [N, m, n] instead of the built-in ones, e.g. 32,1225,192")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import_tree()
@@ -94,7 +96,15 @@ def main(argv=None):
     kind = jax.devices()[0].device_kind
     peaks = next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
     rows = []
-    for shape in (TINY_SHAPES if args.tiny else SHAPES):
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(d) for d in text.split(",")) for text in args.shapes]
+        except ValueError:
+            parser.error(f"--shapes: each shape is N,m,n in integers (e.g. 32,1225,192); got {args.shapes}")
+        if any(len(shape) != 3 or min(shape) < 1 for shape in shapes):
+            parser.error(f"--shapes: each shape is three positive integers N,m,n; got {args.shapes}")
+    for shape in shapes:
         for precision in args.precisions.split(","):
             for method in args.methods.split(","):
                 try:

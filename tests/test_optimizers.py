@@ -230,7 +230,10 @@ def test_newton_schulz_through_the_gram_matrix_equals_the_direct_iteration():
     jaxpr = lambda shape, **kw: str(jax.make_jaxpr(lambda x: opt.newton_schulz(x, 5, **kw))(jnp.ones(shape)))
     assert jaxpr((1100, 256)) == jaxpr((1100, 256), method="gram")              # 4.3× tall, 2.8e5 entries
     assert jaxpr((256, 1100)) == jaxpr((256, 1100), method="gram")
-    assert jaxpr((256, 64)) == jaxpr((256, 64), method="direct")                # small
+    assert jaxpr((1225, 192)) == jaxpr((1225, 192), method="gram")              # 6.4× tall, 2.4e5 entries
+    assert jaxpr((1225, 48)) == jaxpr((1225, 48), method="gram")                # 25× tall, 5.9e4 entries
+    assert jaxpr((512, 128)) == jaxpr((512, 128), method="direct")              # 4× tall, 6.6e4 entries
+    assert jaxpr((192, 48)) == jaxpr((192, 48), method="direct")                # small
     assert jaxpr((700, 256)) == jaxpr((700, 256), method="direct")              # 2.7× tall
     assert jaxpr((1100, 256), operand_dtype="bfloat16") == jaxpr((1100, 256), operand_dtype="bfloat16", method="gram")
     assert jaxpr((700, 256), operand_dtype="bfloat16") == jaxpr((700, 256), operand_dtype="bfloat16", method="direct")
