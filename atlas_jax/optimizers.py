@@ -212,7 +212,8 @@ NS_METHODS = ("auto", "direct", "gram")
 # "auto" takes the Gram route where it saves enough of the direct iteration's FLOPs to pay for its
 # n × n chain's launches. For an a : 1 matrix and J = 5 it does (20a + 10)/(8a + 30) times fewer
 # (1.45 at a = 4, 1.7 at a = 6). Either (least entries, least aspect) pair below takes it; on an
-# H200 (float32 at the default precision; `benchmarks/results/ns_gram_threshold_h200_2026-12-01.md`):
+# H200 (float32 at the default precision; `benchmarks/results/ns_gram_threshold_h200_2026-12-01.md`,
+# `newton_schulz_gram_h200_2026-11-26.md`):
 #   * from 2¹⁸ entries at 4:1: [2145, 256] 0.96 against 1.60 ms (64 matrices);
 #   * from 2¹⁴ entries at 6:1: atlas 170m's [1225, 192] 0.359 against 0.501 ms and [1225, 48] 0.106
 #     against 0.130 (32 matrices); at 4:1 and below 2¹⁸ the chain breaks even or loses: [192, 48]
@@ -286,7 +287,8 @@ def newton_schulz(x: jax.Array, steps: int, coefficients=MUON_COEFFICIENTS, eps:
     x = x / (norm + eps)
     short, long = min(x.shape[-2:]), max(x.shape[-2:])
     if method == "auto":
-        method = "gram" if any(long * short >= size and long >= aspect * short for size, aspect in _GRAM_ROUTE) else "direct"
+        takes = any(long * short >= size and long >= aspect * short for size, aspect in _GRAM_ROUTE)
+        method = "gram" if takes else "direct"
     if method == "gram":
         return _newton_schulz_gram(x, steps, coefficients, mm, gram_of, apply_left, short)
     for _ in range(steps):
