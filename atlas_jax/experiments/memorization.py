@@ -73,8 +73,8 @@ MEMORIES = {
     # the same with Newton–Schulz on bf16 operands (muon(ns_dtype="bfloat16"), as Muon runs it)
     "atlas_ns_bf16": ("ATLAS, chunk-start form, NS per chunk, bf16 NS operands",
                       lambda c: _atlas_chunked(c, "chunk", "bfloat16"), (0.003, 0.01, 0.03, 0.1)),
-    # and through the Gram matrix (newton_schulz(method="gram"); "auto" takes it only for momenta at
-    # least 4× taller than wide with ≥ 2¹⁸ entries or 6× with ≥ 2¹⁴, not this experiment's [153, 64])
+    # and through the Gram matrix (newton_schulz(method="gram"), which "auto" does not take for this
+    # experiment's [153, 64]: `newton_schulz`'s docstring says where it does)
     "atlas_ns_bf16_gram": ("ATLAS, chunk-start form, NS per chunk, bf16 NS operands, Gram route",
                            lambda c: _atlas_chunked(c, "chunk", "bfloat16", "gram"), (0.003, 0.01, 0.03, 0.1)),
     "atlas_adam": ("ATLAS memory + optax.adam",

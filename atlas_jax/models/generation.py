@@ -80,7 +80,6 @@ def decode_step_fn(graphdef):
     return step
 
 
-
 @partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p"))
 def _generate_cached(model, prompt, key, *, max_new_tokens, temperature, top_k, top_p):
     time = prompt.shape[1]
