@@ -250,10 +250,16 @@ def test_newton_schulz_through_the_gram_matrix_equals_the_direct_iteration():
 
 def test_atlas_layer_at_a_size_where_auto_takes_the_gram_route(monkeypatch):
     """A 64-wide head with polynomial features (d_φ = 2145) and hidden 128: "auto" orthogonalises
-    the [2145, 128] momentum through its Gram matrix; the layer's outputs and θ_0 gradient stay
-    within 1e-4 (relative norm) of the direct iteration. The dual form's per-chunk route, where
+    the [2145, 128] momentum through its Gram matrix; the layer's θ_0 gradients stay as close to the
+    direct iteration as float32 rounding allows. The dual form's per-chunk route, where
     ``ns_method`` reaches every weight (its super-chunks take the wide weights' NS from their Gram
-    matrix whatever the method: `forms.dual._muon_super_chunk`)."""
+    matrix whatever the method: `forms.dual._muon_super_chunk`).
+
+    "As rounding allows" is measured, not assumed: the gradients of this layer move by ~3e-5
+    (relative norm) when q alone is perturbed by one float32 ulp, so a fixed 1e-4 between two
+    correctly rounded routes failed on some CPUs (1.1e-4 on one, 5e-5 on another). The Gram route
+    squares the momentum's condition number for a few products, so the bound is a small multiple
+    (10×) of that one-ulp sensitivity, taken on the same machine in the same test."""
     from atlas_jax.forms import dual
     monkeypatch.setattr(dual, "SUPER_CHUNK", 1)
     B, Tn, H, K = 1, 21, 1, 64
@@ -262,11 +268,18 @@ def test_atlas_layer_at_a_size_where_auto_takes_the_gram_route(monkeypatch):
     for method in ("auto", "direct"):
         spec = presets.get("atlas", ns_every="chunk", hidden=128, ns_method=method)
         state0 = spec.init_state(jax.random.PRNGKey(7), batch=B, heads=H, d_k=K, d_v=K)
-        loss = lambda params: jnp.sum(spec(q, k, v, beta=0.5 * beta, g=g, impl="chunk", chunk_size=8,
-                                           initial_state=state0._replace(params=params))[0] ** 2)
-        results[method] = jax.value_and_grad(loss)(state0.params)
+        loss = lambda params, q, spec=spec, state0=state0: jnp.sum(spec(
+            q, k, v, beta=0.5 * beta, g=g, impl="chunk", chunk_size=8,
+            initial_state=state0._replace(params=params))[0] ** 2)
+        loss_and_grad = jax.jit(jax.value_and_grad(loss))
+        results[method] = loss_and_grad(state0.params, q)
+    one_ulp = 1 + 2.0 ** -23 * jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    perturbed = loss_and_grad(state0.params, q * one_ulp)           # the direct route, q ± 1 ulp
     w0 = jax.tree.leaves(results["auto"][1])
     assert max(x.shape[-2] for x in w0 if x.ndim >= 2) == 2145
     assert abs(float(results["auto"][0] / results["direct"][0]) - 1) < 1e-4
-    for a, b in zip(jax.tree.leaves(results["auto"][1]), jax.tree.leaves(results["direct"][1])):
-        assert rel(a, b) < 1e-4
+    pairs = lambda x, y: zip(jax.tree.leaves(x[1]), jax.tree.leaves(y[1]))
+    sensitivity = max(rel(a, b) for a, b in pairs(results["direct"], perturbed))
+    gap = max(rel(a, b) for a, b in pairs(results["auto"], results["direct"]))
+    assert 0 < sensitivity < 1e-4, sensitivity      # the layer is well enough conditioned to test
+    assert gap < 10 * sensitivity, (gap, sensitivity)
