@@ -65,4 +65,8 @@ def test_every_package_is_listed_for_installation():
     # configs/ ships as package data: each of its folders of YAML files is a package too
     found |= {".".join(["atlas_jax.configs", *yml.parent.relative_to(ROOT / "configs").parts])
               for yml in (ROOT / "configs").rglob("*.yml")}
+    # so is each data folder named in package-data (train/data: the built-in corpus)
+    data_folders = {name for name in setuptools["package-data"] if name != "*"}
+    assert (ROOT / "train" / "data").is_dir() and data_folders == {"atlas_jax.train.data"}, data_folders
+    found |= data_folders
     assert found == listed, f"pyproject packages differ: missing {sorted(found - listed)}, extra {sorted(listed - found)}"
