@@ -264,17 +264,18 @@ def test_atlas_layer_at_a_size_where_auto_takes_the_gram_route(monkeypatch):
     monkeypatch.setattr(dual, "SUPER_CHUNK", 1)
     B, Tn, H, K = 1, 21, 1, 64
     q, k, v, beta, g = random_inputs(4, B=B, T=Tn, H=H, K=K, V=K)
-    results = {}
-    for method in ("auto", "direct"):
+
+    def loss_and_grad(method):
         spec = presets.get("atlas", ns_every="chunk", hidden=128, ns_method=method)
         state0 = spec.init_state(jax.random.PRNGKey(7), batch=B, heads=H, d_k=K, d_v=K)
-        loss = lambda params, q, spec=spec, state0=state0: jnp.sum(spec(
-            q, k, v, beta=0.5 * beta, g=g, impl="chunk", chunk_size=8,
-            initial_state=state0._replace(params=params))[0] ** 2)
-        loss_and_grad = jax.jit(jax.value_and_grad(loss))
-        results[method] = loss_and_grad(state0.params, q)
+        loss = lambda params, q: jnp.sum(spec(q, k, v, beta=0.5 * beta, g=g, impl="chunk", chunk_size=8,
+                                              initial_state=state0._replace(params=params))[0] ** 2)
+        return jax.jit(jax.value_and_grad(loss)), state0.params
+    functions = {method: loss_and_grad(method) for method in ("auto", "direct")}
+    results = {method: fn(params0, q) for method, (fn, params0) in functions.items()}
     one_ulp = 1 + 2.0 ** -23 * jax.random.normal(jax.random.PRNGKey(3), q.shape)
-    perturbed = loss_and_grad(state0.params, q * one_ulp)           # the direct route, q ± 1 ulp
+    direct, params0 = functions["direct"]
+    perturbed = direct(params0, q * one_ulp)                       # compiled already: q ± 1 ulp
     w0 = jax.tree.leaves(results["auto"][1])
     assert max(x.shape[-2] for x in w0 if x.ndim >= 2) == 2145
     assert abs(float(results["auto"][0] / results["direct"][0]) - 1) < 1e-4
