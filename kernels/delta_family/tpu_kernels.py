@@ -32,6 +32,7 @@ scalar-prefetched per chunk: `seq[n]` (which state slot chunk n belongs to), `fi
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,17 +54,84 @@ def _kg(mode, K):
     return K if mode == "channel" else 1
 
 
+class _Layout(NamedTuple):
+    """The token-major kernels' sizes: B, value heads H, padded length Tp, K, V, the value heads
+    per q/k head (group), chunk C, chunks N, whether a gate is read and its width kg."""
+    B: int
+    H: int
+    Tp: int
+    K: int
+    V: int
+    group: int
+    C: int
+    N: int
+    gated: bool
+    kg: int
+
+
+def _layout(cfg, q, v):
+    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
+    return _Layout(B, H, Tp, K, v.shape[-1], H // q.shape[1], cfg.chunk, Tp // cfg.chunk,
+                   cfg.mode != "none", _kg(cfg.mode, K))
+
+
+def _token_inputs(lay, tok):
+    """BlockSpecs of q and k (shared by grouped value heads), v, beta and, when gated, g."""
+    K, kg = lay.K, lay.kg
+    return [_shared(tok(K), lay.group), _shared(tok(K), lay.group), tok(lay.V), tok(1)] + ([tok(kg)] if lay.gated else [])
+
+
+def _token_grads(lay, tok):
+    """BlockSpecs and float32 shapes of dq, dk, dv, dbeta and, when gated, dg."""
+    widths = (lay.K, lay.K, lay.V, 1) + ((lay.kg,) if lay.gated else ())
+    return [tok(d) for d in widths], [jax.ShapeDtypeStruct((lay.B, lay.H, lay.Tp, d), F32) for d in widths]
+
+
+def _split_gate(refs, lead, gated):
+    """(refs[:lead], the gate's ref or None, the refs after it): every kernel reads an optional
+    gate right after its ``lead`` leading inputs."""
+    if gated:
+        return refs[:lead], refs[lead], refs[lead + 1:]
+    return refs[:lead], None, refs[lead:]
+
+
+def _start_state(first_ref, n, h0_ref, s_scr, h_ref):
+    """The running state (VMEM scratch ``s_scr``) at chunk n's start, reset to the initial state at
+    a sequence's first chunk, and stored in ``h_ref`` (every chunk's start state) unless None."""
+    @pl.when(first_ref[n] == 1)
+    def _():
+        s_scr[...] = h0_ref[...]
+
+    s = s_scr[...]
+    if h_ref is not None:
+        h_ref[...] = s
+    return s
+
+
+def _chunk_forward(cfg, q_ref, k_ref, v, beta, g_ref):
+    return tm.chunk_forward(q_ref[...], k_ref[...], v, beta, None if g_ref is None else g_ref[...],
+                            mode=cfg.mode, scale=cfg.scale, normalize=cfg.normalize, eps=cfg.eps, sub=cfg.sub)
+
+
+def _store_chunk_grads(cfg, token_refs, g_ref, h, ds, do, grad_refs):
+    """Recomputes the chunk from its token refs (q, k, v, beta), stores dq, dk, dv, dbeta (and dg
+    when gated) in ``grad_refs`` and returns the cotangent of the chunk's start state."""
+    q_ref, k_ref, v_ref, b_ref = token_refs
+    v, beta = v_ref[...], b_ref[...]
+    f = _chunk_forward(cfg, q_ref, k_ref, v, beta, g_ref)
+    *grads, ds_prev = tm.chunk_backward(f, v, beta, h, ds, do, scale=cfg.scale, normalize=cfg.normalize)
+    for ref, x in zip(grad_refs, grads[:len(grad_refs)]):
+        ref[...] = x
+    return ds_prev
+
+
 # ------------------------------------------------------------------------------------------------
 # intra-chunk forward
 # ------------------------------------------------------------------------------------------------
 def _intra_fwd_kernel(*refs, cfg, full):
     gated = cfg.mode != "none"
-    q_ref, k_ref, v_ref, b_ref = refs[:4]
-    g_ref = refs[4] if gated else None
-    outs = refs[5 if gated else 4:]
-    f = tm.chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[...],
-                         g_ref[...] if gated else None, mode=cfg.mode, scale=cfg.scale,
-                         normalize=cfg.normalize, eps=cfg.eps, sub=cfg.sub)
+    (q_ref, k_ref, v_ref, b_ref), g_ref, outs = _split_gate(refs, 4, gated)
+    f = _chunk_forward(cfg, q_ref, k_ref, v_ref[...], b_ref[...], g_ref)
     qe = f["qg"] - tm.mm(f["p"], f["w"])
     w_ref, kd_ref, qe_ref = outs[:3]
     w_ref[...] = f["w"]
@@ -95,18 +163,13 @@ def _shared(spec, group):
 
 def intra_fwd(cfg, q, k, v, beta, g, *, full=True):
     """Returns (W, Kd, Qe [B,H,Tp,K], D [B,H,N,Kd,1] or None, U0, O0 [B,H,Tp,V] if full)."""
-    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
-    V = v.shape[-1]
-    G = H // q.shape[1]
-    C = cfg.chunk
-    N = Tp // C
-    gated = cfg.mode != "none"
-    kg = _kg(cfg.mode, K)
+    lay = _layout(cfg, q, v)
+    B, H, Tp, K, V, C, N, gated, kg = lay.B, lay.H, lay.Tp, lay.K, lay.V, lay.C, lay.N, lay.gated, lay.kg
 
     def tok(d):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
 
-    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else [])
+    in_specs = _token_inputs(lay, tok)
     out_specs = [tok(K), tok(K), tok(K)]
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), F32)] * 3
     if gated:
@@ -134,25 +197,11 @@ def intra_fwd(cfg, q, k, v, beta, g, *, full=True):
 # ------------------------------------------------------------------------------------------------
 def _state_fwd_kernel(seq_ref, first_ref, *refs, gated, save_h):
     del seq_ref
-    w_ref, kd_ref, qe_ref, u0_ref, o0_ref = refs[:5]
-    i = 5
-    d_ref = None
-    if gated:
-        d_ref = refs[i]
-        i += 1
-    h0_ref = refs[i]
-    o_ref, fin_ref = refs[i + 1], refs[i + 2]
-    h_ref = refs[i + 3] if save_h else None
+    (w_ref, kd_ref, qe_ref, u0_ref, o0_ref), d_ref, rest = _split_gate(refs, 5, gated)
+    h0_ref, o_ref, fin_ref = rest[:3]
+    h_ref = rest[3] if save_h else None
     s_scr = refs[-1]
-    n = pl.program_id(3)
-
-    @pl.when(first_ref[n] == 1)
-    def _():
-        s_scr[...] = h0_ref[...]
-
-    s = s_scr[...]
-    if save_h:
-        h_ref[...] = s
+    s = _start_state(first_ref, pl.program_id(3), h0_ref, s_scr, h_ref)
     o_ref[...] = (tm.mm(qe_ref[...], s) + o0_ref[...]).astype(o_ref.dtype)
     u = u0_ref[...] - tm.mm(w_ref[...], s)
     decayed = d_ref[...] * s if gated else s
@@ -211,14 +260,8 @@ def state_fwd(cfg, w, kd, qe, d, u0, o0, h0, seq, first, *, out_dtype, save_h):
 # ------------------------------------------------------------------------------------------------
 def _state_bwd_kernel(seq_ref, last_ref, *refs, gated, n_chunks):
     del seq_ref
-    w_ref, kd_ref, qe_ref, do_ref = refs[:4]
-    i = 4
-    d_ref = None
-    if gated:
-        d_ref = refs[i]
-        i += 1
-    dfin_ref = refs[i]
-    dh_ref, dh0_ref = refs[i + 1], refs[i + 2]
+    (w_ref, kd_ref, qe_ref, do_ref), d_ref, rest = _split_gate(refs, 4, gated)
+    dfin_ref, dh_ref, dh0_ref = rest[:3]
     ds_scr = refs[-1]
     c = n_chunks - 1 - pl.program_id(3)
 
@@ -283,52 +326,22 @@ def state_bwd(cfg, w, kd, qe, d, do, dfin, seq, last):
 # intra-chunk backward
 # ------------------------------------------------------------------------------------------------
 def _intra_bwd_kernel(*refs, cfg):
-    gated = cfg.mode != "none"
-    q_ref, k_ref, v_ref, b_ref = refs[:4]
-    i = 4
-    g_ref = None
-    if gated:
-        g_ref = refs[i]
-        i += 1
-    h_ref, dh_ref, do_ref = refs[i:i + 3]
-    outs = refs[i + 3:]
-    v = v_ref[...]
-    beta = b_ref[...]
-    f = tm.chunk_forward(q_ref[...], k_ref[...], v, beta, g_ref[...] if gated else None,
-                         mode=cfg.mode, scale=cfg.scale, normalize=cfg.normalize, eps=cfg.eps,
-                         sub=cfg.sub)
-    dq, dk, dv, db, dg, _ = tm.chunk_backward(f, v, beta, h_ref[...], dh_ref[...],
-                                              do_ref[...], scale=cfg.scale,
-                                              normalize=cfg.normalize)
-    outs[0][...] = dq
-    outs[1][...] = dk
-    outs[2][...] = dv
-    outs[3][...] = db
-    if gated:
-        outs[4][...] = dg
+    token_refs, g_ref, rest = _split_gate(refs, 4, cfg.mode != "none")
+    h_ref, dh_ref, do_ref = rest[:3]
+    _store_chunk_grads(cfg, token_refs, g_ref, h_ref[...], dh_ref[...], do_ref[...], rest[3:])
 
 
 def intra_bwd(cfg, q, k, v, beta, g, h, dh, do):
     """Returns (dq, dk [B,H,Tp,K], dv [B,H,Tp,V], dbeta [B,H,Tp,1], dg [B,H,Tp,Kg] or None), f32."""
-    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
-    V = v.shape[-1]
-    G = H // q.shape[1]
-    C = cfg.chunk
-    N = Tp // C
-    gated = cfg.mode != "none"
-    kg = _kg(cfg.mode, K)
+    lay = _layout(cfg, q, v)
+    B, H, K, V, C, N, gated = lay.B, lay.H, lay.K, lay.V, lay.C, lay.N, lay.gated
 
     def tok(d):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
 
     state = pl.BlockSpec((None, None, None, K, V), lambda b, h, n: (b, h, n, 0, 0))
-    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state, state,
-                                                                                  tok(V)]
-    out_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else [])
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), F32)] * 2 + [
-        jax.ShapeDtypeStruct((B, H, Tp, V), F32), jax.ShapeDtypeStruct((B, H, Tp, 1), F32)]
-    if gated:
-        out_shape.append(jax.ShapeDtypeStruct((B, H, Tp, kg), F32))
+    in_specs = _token_inputs(lay, tok) + [state, state, tok(V)]
+    out_specs, out_shape = _token_grads(lay, tok)
     args = (q, k, v, beta) + ((g,) if gated else ()) + (h, dh, do)
     outs = pl.pallas_call(
         functools.partial(_intra_bwd_kernel, cfg=cfg),
@@ -345,27 +358,12 @@ def intra_bwd(cfg, q, k, v, beta, g, h, dh, do):
 def _fused_fwd_kernel(seq_ref, first_ref, *refs, cfg, save_h):
     del seq_ref
     gated = cfg.mode != "none"
-    q_ref, k_ref, v_ref, b_ref = refs[:4]
-    i = 4
-    g_ref = None
-    if gated:
-        g_ref = refs[i]
-        i += 1
-    h0_ref, o_ref, fin_ref = refs[i:i + 3]
-    h_ref = refs[i + 3] if save_h else None
+    (q_ref, k_ref, v_ref, b_ref), g_ref, rest = _split_gate(refs, 4, gated)
+    h0_ref, o_ref, fin_ref = rest[:3]
+    h_ref = rest[3] if save_h else None
     s_scr = refs[-1]
-    n = pl.program_id(2)
-
-    @pl.when(first_ref[n] == 1)
-    def _():
-        s_scr[...] = h0_ref[...]
-
-    s = s_scr[...]
-    if save_h:
-        h_ref[...] = s
-    f = tm.chunk_forward(q_ref[...], k_ref[...], v_ref[...], b_ref[...],
-                         g_ref[...] if gated else None, mode=cfg.mode, scale=cfg.scale,
-                         normalize=cfg.normalize, eps=cfg.eps, sub=cfg.sub)
+    s = _start_state(first_ref, pl.program_id(2), h0_ref, s_scr, h_ref)
+    f = _chunk_forward(cfg, q_ref, k_ref, v_ref[...], b_ref[...], g_ref)
     u = f["u0"] - tm.mm(f["w"], s)
     o_ref[...] = (tm.mm(f["qg"], s) + tm.mm(f["p"], u)).astype(o_ref.dtype)
     decayed = f["gate"].d_col() * s if gated else s
@@ -379,19 +377,14 @@ def fused_fwd(cfg, q, k, v, beta, g, h0, seq, first, *, save_h):
 
     Returns (o [B,H,Tp,V] in v.dtype, final [S,H,K,V] f32, h [B,H,N,K,V] f32 or None).
     """
-    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
-    V = v.shape[-1]
-    G = H // q.shape[1]
-    C = cfg.chunk
-    N = Tp // C
-    gated = cfg.mode != "none"
-    kg = _kg(cfg.mode, K)
+    lay = _layout(cfg, q, v)
+    B, H, Tp, K, V, C, N, gated = lay.B, lay.H, lay.Tp, lay.K, lay.V, lay.C, lay.N, lay.gated
 
     def tok(d):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n, sq, fr: (b, h, n, 0))
 
     state = pl.BlockSpec((None, None, K, V), lambda b, h, n, sq, fr: (b + sq[n], h, 0, 0))
-    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state]
+    in_specs = _token_inputs(lay, tok) + [state]
     out_specs = [tok(V), state]
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), v.dtype),
                  jax.ShapeDtypeStruct(h0.shape, F32)]
@@ -414,50 +407,25 @@ def fused_fwd(cfg, q, k, v, beta, g, h0, seq, first, *, save_h):
 
 def _fused_bwd_kernel(seq_ref, last_ref, *refs, cfg, n_chunks):
     del seq_ref
-    gated = cfg.mode != "none"
-    q_ref, k_ref, v_ref, b_ref = refs[:4]
-    i = 4
-    g_ref = None
-    if gated:
-        g_ref = refs[i]
-        i += 1
-    h_ref, do_ref, dfin_ref = refs[i:i + 3]
-    outs = refs[i + 3:-1]
-    ds_scr = refs[-1]
+    token_refs, g_ref, rest = _split_gate(refs, 4, cfg.mode != "none")
+    h_ref, do_ref, dfin_ref = rest[:3]
+    grad_refs, dh0_ref, ds_scr = rest[3:-2], rest[-2], rest[-1]
     c = n_chunks - 1 - pl.program_id(2)
 
     @pl.when(last_ref[c] == 1)
     def _():
         ds_scr[...] = dfin_ref[...]
 
-    v = v_ref[...]
-    beta = b_ref[...]
-    f = tm.chunk_forward(q_ref[...], k_ref[...], v, beta, g_ref[...] if gated else None,
-                         mode=cfg.mode, scale=cfg.scale, normalize=cfg.normalize, eps=cfg.eps,
-                         sub=cfg.sub)
-    dq, dk, dv, db, dg, ds_prev = tm.chunk_backward(f, v, beta, h_ref[...], ds_scr[...],
-                                                    do_ref[...], scale=cfg.scale,
-                                                    normalize=cfg.normalize)
+    ds_prev = _store_chunk_grads(cfg, token_refs, g_ref, h_ref[...], ds_scr[...], do_ref[...], grad_refs)
     ds_scr[...] = ds_prev
-    outs[0][...] = dq
-    outs[1][...] = dk
-    outs[2][...] = dv
-    outs[3][...] = db
-    if gated:
-        outs[4][...] = dg
-    outs[-1][...] = ds_prev
+    dh0_ref[...] = ds_prev
 
 
 def fused_bwd(cfg, q, k, v, beta, g, h, do, dfin, seq, last):
     """One reverse sequential kernel, grid (B, H, N): returns (dq, dk, dv, dbeta, dg or None,
     dh0 [S,H,K,V]), float32."""
-    B, H, Tp, K = v.shape[:3] + q.shape[3:]      # H: value heads (grouped: q/k shared)
-    V = v.shape[-1]
-    G = H // q.shape[1]
-    C = cfg.chunk
-    N = Tp // C
-    gated = cfg.mode != "none"
-    kg = _kg(cfg.mode, K)
+    lay = _layout(cfg, q, v)
+    B, H, K, V, C, N, gated = lay.B, lay.H, lay.K, lay.V, lay.C, lay.N, lay.gated
 
     def tok(d):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n, sq, ls: (b, h, N - 1 - n, 0))
@@ -466,13 +434,9 @@ def fused_bwd(cfg, q, k, v, beta, g, h, do, dfin, seq, last):
                          lambda b, h, n, sq, ls: (b + sq[N - 1 - n], h, 0, 0))
     hspec = pl.BlockSpec((None, None, None, K, V),
                          lambda b, h, n, sq, ls: (b, h, N - 1 - n, 0, 0))
-    in_specs = [_shared(tok(K), G), _shared(tok(K), G), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [
-        hspec, tok(V), state]
-    out_specs = [tok(K), tok(K), tok(V), tok(1)] + ([tok(kg)] if gated else []) + [state]
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), F32)] * 2 + [
-        jax.ShapeDtypeStruct((B, H, Tp, V), F32), jax.ShapeDtypeStruct((B, H, Tp, 1), F32)]
-    if gated:
-        out_shape.append(jax.ShapeDtypeStruct((B, H, Tp, kg), F32))
+    in_specs = _token_inputs(lay, tok) + [hspec, tok(V), state]
+    out_specs, out_shape = _token_grads(lay, tok)
+    out_specs.append(state)
     out_shape.append(jax.ShapeDtypeStruct(dfin.shape, F32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
