@@ -846,6 +846,18 @@ def test_gpu_overlapped_output_matches_two_launches():
     np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
 
 
+def assert_agrees(run, ref, args, weights, tol):
+    """run's outputs, final states and every gradient finite and within ``tol`` of ref's."""
+    o1, s1 = run(*args)
+    o2, s2 = ref(*args)
+    assert rel(o1, o2) < tol and rel(s1, s2) < tol, (rel(o1, o2), rel(s1, s2))
+    argnums, g1 = grads(run, args, weights)
+    _, g2 = grads(ref, args, weights)
+    for i, a, b in zip(argnums, g1, g2):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
+        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+
+
 def check_compiled_against_scan(seed, gate, dtype, tol, **shape):
     """The compiled GPU kernels (default block sizes, chunk 64, initial state) against the float32
     scan: outputs, final states and every gradient finite and within `tol`."""
@@ -863,14 +875,7 @@ def check_compiled_against_scan(seed, gate, dtype, tol, **shape):
                                         for x in a[:5]], scale=SCALE, initial_state=a[5],
                                       output_final_state=True)
 
-    o1, s1 = run(*args)
-    o2, s2 = ref(*args)
-    assert rel(o1, o2) < tol and rel(s1, s2) < tol, (rel(o1, o2), rel(s1, s2))
-    argnums, g1 = grads(run, args, w)
-    _, g2 = grads(ref, args, w)
-    for i, a, b in zip(argnums, g1, g2):
-        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
-        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+    assert_agrees(run, ref, args, w, tol)
 
 
 @pytest.mark.gpu
@@ -920,14 +925,7 @@ def test_gpu_compiled_layouts_and_gates(gate, case):
             states.append(s[0])
         return jnp.concatenate(outs, axis=1), jnp.stack(states)
 
-    o1, s1 = run(*args)
-    o2, s2 = ref(*args)
-    assert rel(o1, o2) < tol and rel(s1, s2) < tol, (rel(o1, o2), rel(s1, s2))
-    argnums, g1 = grads(run, args, w)
-    _, g2 = grads(ref, args, w)
-    for i, a, b in zip(argnums, g1, g2):
-        assert np.all(np.isfinite(np.asarray(a, np.float32))), NAMES[i]
-        assert rel(a, b) < tol, (NAMES[i], rel(a, b))
+    assert_agrees(run, ref, args, w, tol)
 
 
 @pytest.mark.gpu
