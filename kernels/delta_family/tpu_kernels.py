@@ -77,8 +77,8 @@ def _layout(cfg, q, v):
 
 def _token_inputs(lay, tok):
     """BlockSpecs of q and k (shared by grouped value heads), v, beta and, when gated, g."""
-    K, kg = lay.K, lay.kg
-    return [_shared(tok(K), lay.group), _shared(tok(K), lay.group), tok(lay.V), tok(1)] + ([tok(kg)] if lay.gated else [])
+    shared = _shared(tok(lay.K), lay.group)
+    return [shared, shared, tok(lay.V), tok(1)] + ([tok(lay.kg)] if lay.gated else [])
 
 
 def _token_grads(lay, tok):
