@@ -59,6 +59,11 @@ def main():
                     help="compile tree NAME's deep-memory kernels (mlp_*) with at most CAP registers a "
                          "thread (register_cap.py: an experiment on jax's private Triton lowering); "
                          "NAME may repeat another tree's PATH under a new name")
+    ap.add_argument("--xla", action="append", default=[], metavar="NAME=FLAG=VALUE",
+                    help="compile tree NAME's programs with this XLA debug option (as XLA_FLAGS would set "
+                         "it, but for that tree alone: `.compile(compiler_options=...)`), e.g. "
+                         "wcb=xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL; repeat for more options; "
+                         "NAME may repeat another tree's PATH under a new name")
     args = ap.parse_args()
     if args.ops is None:   # a deep-memory comparison does not also spend device time on the ops
         args.ops = [] if args.presets else ["gdn", "deltanet", "kda"]
@@ -70,6 +75,12 @@ def main():
     caps = {name: int(cap) for name, cap in (c.split("=", 1) for c in args.maxnreg)}
     if set(caps) - {name for name, _ in trees}:
         ap.error(f"--maxnreg names trees that --tree does not: {sorted(set(caps) - {n for n, _ in trees})}")
+    xla_options = {}
+    for item in args.xla:
+        name, flag, value = item.split("=", 2)
+        xla_options.setdefault(name, {})[flag] = value
+    if set(xla_options) - {name for name, _ in trees}:
+        ap.error(f"--xla names trees that --tree does not: {sorted(set(xla_options) - {n for n, _ in trees})}")
     B, T, H, D = args.shape
     inputs = {op: timing.make_inputs(B, T, H, D, D, timing.GATE_OF[op], jnp.bfloat16)
               for op in args.ops}
@@ -88,7 +99,7 @@ def main():
             for mode, fn, a in (("fwd", fwd, (q, k, v, knobs, state.params, state)),
                                 ("fwdbwd", fwdbwd, (q, k, v, knobs, state, do))):
                 if mode in args.modes:
-                    exe = fn.lower(*a).compile()
+                    exe = fn.lower(*a).compile(compiler_options=xla_options.get(name))
                     compiled_gib[f"{preset}/{mode}/{name}"] = deep_memory.compiled_total_gib(exe)
                     out = jax.block_until_ready(exe(*a))
                     if not deep_memory.all_finite(out):
@@ -100,7 +111,7 @@ def main():
             for mode, fn, a in (("fwd", fwd, (q, k, v, beta, g)),
                                 ("fwdbwd", fwdbwd, (q, k, v, beta, g, do))):
                 if mode in args.modes:
-                    exe = fn.lower(*a).compile()
+                    exe = fn.lower(*a).compile(compiler_options=xla_options.get(name))
                     jax.block_until_ready(exe(*a))
                     compiled[(name, op, mode)] = (exe, a)
         timing.log(f"[compile] {name} ({root}): {time.perf_counter() - t0:.1f} s")
@@ -108,7 +119,7 @@ def main():
 
     device = jax.devices()[0]
     results = {"device": str(device), "device_kind": device.device_kind, "jax": jax.__version__,
-               "shape": args.shape, "impl": args.impl, "compiled_gib": compiled_gib, "rounds": {}}
+               "shape": args.shape, "impl": args.impl, "xla_options": xla_options, "compiled_gib": compiled_gib, "rounds": {}}
     for key, gib in compiled_gib.items():
         timing.log(f"[compiled memory] {key}: {gib:.2f} GiB")
     rounds = results["rounds"]
