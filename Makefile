@@ -23,13 +23,14 @@ demo: run
 memorize: $(STAMP)
 	$(VENV)/bin/atlas-jax memorize $(ARGS)
 
-# --durations: CI keeps the end of the log, so the slowest tests show there.
+# --durations: CI keeps the end of the log, so the slowest tests show there. --dist loadfile: a
+# test file's programs are compiled by one worker instead of both (~5% less CPU time, 2026-12-02).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --durations=10 $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 $(ARGS)
 
 # Includes the slow tests; GPU tests still need a GPU (-m gpu on the device machine).
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not gpu" $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not gpu" $(ARGS)
 
 presets: $(STAMP)
 	$(VENV)/bin/atlas-jax presets
