@@ -62,7 +62,8 @@ def main():
     ap.add_argument("--xla", action="append", default=[], metavar="NAME=FLAG=VALUE",
                     help="compile tree NAME's programs with this XLA debug option (as XLA_FLAGS would set "
                          "it, but for that tree alone: `.compile(compiler_options=...)`), e.g. "
-                         "wcb=xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL; repeat for more options; "
+                         "wcb=xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE (a list in full: compile options take no "
+                         "+/- edits); repeat for more options; "
                          "NAME may repeat another tree's PATH under a new name")
     args = ap.parse_args()
     if args.ops is None:   # a deep-memory comparison does not also spend device time on the ops
@@ -119,7 +120,8 @@ def main():
 
     device = jax.devices()[0]
     results = {"device": str(device), "device_kind": device.device_kind, "jax": jax.__version__,
-               "shape": args.shape, "impl": args.impl, "xla_options": xla_options, "compiled_gib": compiled_gib, "rounds": {}}
+               "shape": args.shape, "impl": args.impl, "xla_options": xla_options, "compiled_gib": compiled_gib,
+               "rounds": {}}
     for key, gib in compiled_gib.items():
         timing.log(f"[compiled memory] {key}: {gib:.2f} GiB")
     rounds = results["rounds"]
