@@ -62,9 +62,9 @@ def main():
     ap.add_argument("--xla", action="append", default=[], metavar="NAME=FLAG=VALUE",
                     help="compile tree NAME's programs with this XLA debug option (as XLA_FLAGS would set "
                          "it, but for that tree alone: `.compile(compiler_options=...)`), e.g. "
-                         "wcb=xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE (a list in full: compile options take no "
-                         "+/- edits); repeat for more options; "
-                         "NAME may repeat another tree's PATH under a new name")
+                         "wcb=xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE (a list in full: compile "
+                         "options take no +/- edits); repeat for more options; NAME may repeat another "
+                         "tree's PATH under a new name")
     args = ap.parse_args()
     if args.ops is None:   # a deep-memory comparison does not also spend device time on the ops
         args.ops = [] if args.presets else ["gdn", "deltanet", "kda"]
@@ -78,6 +78,8 @@ def main():
         ap.error(f"--maxnreg names trees that --tree does not: {sorted(set(caps) - {n for n, _ in trees})}")
     xla_options = {}
     for item in args.xla:
+        if item.count("=") < 2:
+            ap.error(f"--xla {item!r}: give NAME=FLAG=VALUE, e.g. wcb=xla_gpu_enable_command_buffer=FUSION")
         name, flag, value = item.split("=", 2)
         xla_options.setdefault(name, {})[flag] = value
     if set(xla_options) - {name for name, _ in trees}:
