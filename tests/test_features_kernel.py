@@ -20,7 +20,8 @@ import pytest
 from helpers import rel
 
 from atlas_jax import features
-from atlas_jax.kernels.features.gpu import Sym2GpuBlockSizes, polynomial2_features_gpu, symmetric_square_backward_gpu
+from atlas_jax.kernels.features.gpu import (Phi2GpuBlockSizes, Sym2GpuBlockSizes, polynomial2_features_gpu,
+                                            symmetric_square_backward_gpu)
 
 TOL = 1e-6
 
@@ -72,11 +73,11 @@ def _polynomial2(x, coeffs, width):
     return jnp.pad(phi, [(0, 0)] * (x.ndim - 1) + [(0, width - phi.shape[-1])])
 
 
-@pytest.mark.parametrize("d,lead,width,dtype,block_rows,block_i", [(16, (37,), 160, jnp.float32, 16, 4),
-                                                                   (16, (2, 20), 153, jnp.bfloat16, 8, None),
-                                                                   (8, (13,), 100, jnp.float32, 4, 8),
-                                                                   (4, (3,), 15, jnp.float32, 2, 1)])
-def test_feature_kernel_equals_the_map_with_zero_features(d, lead, width, dtype, block_rows, block_i):
+@pytest.mark.parametrize("d,lead,width,dtype,block_rows,block_cols", [(16, (37,), 160, jnp.float32, 16, 64),
+                                                                      (16, (2, 20), 153, jnp.bfloat16, 8, 256),
+                                                                      (8, (13,), 100, jnp.float32, 4, 32),
+                                                                      (4, (3,), 15, jnp.float32, 2, 4)])
+def test_feature_kernel_equals_the_map_with_zero_features(d, lead, width, dtype, block_rows, block_cols):
     """`polynomial2_features_gpu` writes [c₀, c₁ x, c₂ sym_2(x), 0 …] in one pass: equal to the
     definition rounded once to ``dtype`` (float32 ≤ 1e-6 relative: products in another order; bf16
     ≤ 4e-3: one rounding, 2⁻⁸ relative), with ragged row blocks, zero features (the last piece
@@ -84,7 +85,7 @@ def test_feature_kernel_equals_the_map_with_zero_features(d, lead, width, dtype,
     x = jax.random.normal(jax.random.PRNGKey(d + width), lead + (d,), jnp.float32)
     coeffs = jnp.asarray([0.9, 1.1, 0.6])
     got = polynomial2_features_gpu(x, coeffs, width, dtype, interpret=True,
-                                   block_sizes=Sym2GpuBlockSizes(block_rows=block_rows, block_i=block_i))
+                                   block_sizes=Phi2GpuBlockSizes(block_rows=block_rows, block_cols=block_cols))
     want = _polynomial2(x, coeffs, width)
     assert got.shape == lead + (width,) and got.dtype == dtype
     assert rel(got.astype(jnp.float32), want) <= (TOL if dtype == jnp.float32 else 4e-3)
@@ -153,6 +154,11 @@ def test_kernel_names_its_bad_arguments():
         polynomial2_features_gpu(jnp.zeros((3, 8)), jnp.ones((3,)), 44, jnp.float32, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         polynomial2_features_gpu(jnp.zeros((3, 12)), jnp.ones((3,)), 100, jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="block_cols"):
+        Phi2GpuBlockSizes(block_cols=24)
+    with pytest.raises(TypeError, match="Phi2GpuBlockSizes"):
+        polynomial2_features_gpu(jnp.zeros((3, 8)), jnp.ones((3,)), 45, jnp.float32, interpret=True,
+                                 block_sizes=Sym2GpuBlockSizes())
 
 
 @pytest.mark.gpu

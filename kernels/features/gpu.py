@@ -22,14 +22,20 @@ transposed layout its producer left it in: 459 µs a call for omeganet's super-c
 (benchmarks/results/dual_chain_h200_2026-11-28.md).
 
 The forward (`polynomial2_features_gpu`) writes φ(x) = [c₀, c₁ x, c₂ sym_2(x)] and the zero
-features after it (FEATURE_ALIGN, `atlas_jax.forms.dual`) in one pass, with the same program grid:
-for each i it stores row i's monomials c₂ w_ic x_i x_c at off_i − i + c, masked to c ≥ i. XLA
-formed these rows as a gather of two inputs per feature, then joined the blocks and padded them:
-~170 µs a call for omeganet's super-chunk rows ([8 heads, 1048, 8448] bf16, ~3× the time to write
-them). Its backward (`features.polynomial2_features`) reads sym_2's cotangent in place from the
+features after it (FEATURE_ALIGN, `atlas_jax.forms.dual`) in one pass, in aligned tiles of
+``block_rows`` × ``block_cols`` features: a table gives each feature its two factors (1 or x_m)
+and its coefficient, and the factors are gathered from x's rows, which are small and stay in cache.
+XLA formed these rows as a gather of two inputs per feature, then joined the blocks and padded them
+(~3× the time to write them); the first kernel walked the values of i as the backward does, storing
+row i's monomials at the unaligned off_i − i, masked to c ≥ i (1.1 TB/s written). Tiles: [8 heads,
+1048, 8448] bf16 rows (omeganet's super-chunk at B1) 121 -> 83 µs on an H200, [32 heads, 1048,
+8448] (B4) 498 -> 286 µs: 2.0 TB/s against the 3.2 TB/s XLA moves reading and writing them
+(build-side probe, one process, 2026-12-02; the whole layer: benchmarks/results/phi_tiles_h200_2026-12-02.md).
+Its backward (`features.polynomial2_features`) reads sym_2's cotangent in place from the
 whole row (``column_offset``), so nothing of it is sliced out. Rows past the end of the last block
-are masked, not padded (padding copied the [n, 8256] cotangent). B1 T4096 H8 D128 bf16 fwd+bwd on
-an H200, interleaved in one command: omeganet 49.77 -> 47.43 ms, dla 40.02 -> 34.76.
+are masked, not padded (padding copied the [n, 8256] cotangent). Writing φ's rows by a kernel at
+all, B1 T4096 H8 D128 bf16 fwd+bwd on an H200, interleaved in one command: omeganet 49.77 -> 47.43
+ms, dla 40.02 -> 34.76.
 
 Precision: g and x in any float dtype, every product and sum float32, the result in x's dtype
 (the forward's in the dtype asked for, rounded once).
@@ -43,6 +49,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -50,7 +57,7 @@ from jax.experimental.pallas import triton as plgpu
 from atlas_jax.kernels.delta_family.gpu import default_interpret
 from atlas_jax.kernels.delta_family.support import check_num_warps
 
-__all__ = ["Sym2GpuBlockSizes", "polynomial2_features_gpu", "symmetric_square_backward_gpu"]
+__all__ = ["Phi2GpuBlockSizes", "Sym2GpuBlockSizes", "polynomial2_features_gpu", "symmetric_square_backward_gpu"]
 
 _FN = "symmetric_square_backward_gpu"
 F32 = jnp.float32
@@ -74,6 +81,23 @@ class Sym2GpuBlockSizes:
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"{_FN}: `block_sizes.{name}` must be a power of two; got {value!r}.")
         check_num_warps(_FN, self, ("num_warps",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Phi2GpuBlockSizes:
+    """`polynomial2_features_gpu`'s tiles: block_rows rows by block_cols features a program (powers
+    of two). num_warps: warps per program."""
+
+    block_rows: int = 32
+    block_cols: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_rows", "block_cols"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"polynomial2_features_gpu: `block_sizes.{name}` must be a power of two; got {value!r}.")
+        check_num_warps("polynomial2_features_gpu", self, ("num_warps",))
 
 
 def _row_block(block_rows, n):
@@ -159,50 +183,52 @@ def symmetric_square_backward_gpu(x, cotangent, scale=None, *, block_sizes: Sym2
     return (dx, jnp.sum(parts[1])) if with_scale_grad else dx
 
 
-def _features_kernel(x_ref, coeffs_ref, out_ref, *, n, d, width, block_rows, block_i):
-    rows, real = _row_block(block_rows, n)
-    x = plgpu.load(x_ref.at[rows, :], mask=real, other=0.0).astype(F32)   # [rows, d]
-    coeff = lambda j: coeffs_ref[pl.ds(j, 1)].astype(F32)[None, :]   # c_j [1, 1]
-    cols = lax.broadcasted_iota(jnp.int32, (block_rows, d), 1)
-    root2 = math.sqrt(2.0)
-    dtype = out_ref.dtype
-
-    def step(i, _):
-        start = 1 + d + i * d - (i * (i - 1)) // 2 - i               # column c of the store is monomial (i, c)
-        on_i = cols == i
-        x_i = jnp.sum(jnp.where(on_i, x, 0.0), axis=1, keepdims=True)
-        value = (coeff(2) * jnp.where(on_i, 1.0, root2)) * x_i * x
-        plgpu.store(out_ref.at[rows, pl.ds(start, d)], value.astype(dtype), mask=real & (cols >= i))
-        return _
-
-    first = pl.program_id(1) * block_i
-    lax.fori_loop(first, first + block_i, step, 0)
-
-    @pl.when(pl.program_id(1) == 0)
-    def _():   # the constant and linear blocks: columns 0 … d, stored as [c₀, c₁ x_0 … c₁ x_{d−2}] and c₁ x
-        head = jnp.where(cols == 0, coeff(0), 0.0)
-        plgpu.store(out_ref.at[rows, pl.ds(0, d)], head.astype(dtype), mask=real & (cols == 0))
-        plgpu.store(out_ref.at[rows, pl.ds(1, d)], (coeff(1) * x).astype(dtype), mask=real)
-
-    tail = width - (1 + d + d * (d + 1) // 2)
-    if tail:
-        @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
-        def _():   # the zero features after φ's (FEATURE_ALIGN), in pieces of d columns (the last
-            for lo in range(0, tail, d):   # one ending at the row's end, masked to the columns left)
-                begin = width - tail + lo
-                start = min(begin, width - d)
-                plgpu.store(out_ref.at[rows, pl.ds(start, d)], jnp.zeros((block_rows, d), dtype),
-                            mask=real & (cols >= begin - start))
+@functools.lru_cache(maxsize=None)
+def _feature_tables(d: int, width: int) -> np.ndarray:
+    """[3, width] int32: for each feature of φ's row, the two factors it multiplies (0: the
+    constant 1, m ≥ 1: x_{m−1}) and its kind (0 c₀, 1 c₁, 2 c₂ on sym_2's diagonal, 3 c₂·√2 off
+    it, 4 a zero feature), in `polynomial2_features_gpu`'s order."""
+    first, second, kind = np.zeros(width, np.int32), np.zeros(width, np.int32), np.full(width, 4, np.int32)
+    kind[0] = 0
+    second[1:1 + d], kind[1:1 + d] = np.arange(1, d + 1), 1
+    i, j = np.triu_indices(d)   # row-major: the order of combinations_with_replacement
+    pairs = slice(1 + d, 1 + d + i.size)
+    first[pairs], second[pairs], kind[pairs] = i + 1, j + 1, np.where(i == j, 2, 3)
+    return np.stack([first, second, kind])
 
 
-def polynomial2_features_gpu(x, coeffs, width: int, dtype, *, block_sizes: Sym2GpuBlockSizes | None = None,
+def _features_kernel(x_ref, first_ref, second_ref, kind_ref, coeffs_ref, out_ref, *, n, width, block_rows,
+                     block_cols):
+    first_row = pl.program_id(0) * block_rows
+    first_col = pl.multiple_of(pl.program_id(1) * block_cols, block_cols)
+    row = first_row + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+    col = first_col + lax.broadcasted_iota(jnp.int32, (1, block_cols), 1)
+    inside = col < width
+    cols = pl.ds(first_col, block_cols)
+    first, second, kind = (plgpu.load(ref.at[cols], mask=inside[0], other=other)[None, :]
+                           for ref, other in ((first_ref, 0), (second_ref, 0), (kind_ref, 4)))
+    c = lambda j: coeffs_ref[pl.ds(j, 1)].astype(F32)[None, :]   # c_j [1, 1]
+    coef = jnp.where(kind == 0, c(0), jnp.where(kind == 1, c(1), jnp.where(
+        kind == 2, c(2), jnp.where(kind == 3, c(2) * math.sqrt(2.0), 0.0))))
+    # the factors, gathered from x's rows (small: in cache) by the tables; rows past n read row
+    # n − 1 and are not stored
+    source = jnp.minimum(row, n - 1)
+    factor = lambda index: jnp.where(index == 0, 1.0, plgpu.load(x_ref.at[source, jnp.maximum(index - 1, 0)]
+                                                                 ).astype(F32))
+    value = coef * factor(first) * factor(second)
+    plgpu.store(out_ref.at[pl.ds(first_row, block_rows), cols], value.astype(out_ref.dtype),
+                mask=(row < n) & inside)
+
+
+def polynomial2_features_gpu(x, coeffs, width: int, dtype, *, block_sizes: Phi2GpuBlockSizes | None = None,
                              interpret: bool | None = None):
     """φ(x) of the degree-2 polynomial map, [c₀, c₁ x, c₂ sym_2(x)] [..., 1 + d + d(d + 1)/2],
     followed by zero features up to ``width``, in ``dtype`` (every product float32, rounded once);
-    d a power of two. One pass writing the rows: XLA formed them as a gather of two inputs per
-    feature (module docstring). coeffs: [3]."""
+    d a power of two. One pass writing the rows in aligned tiles (module docstring). coeffs: [3]."""
     fn = "polynomial2_features_gpu"
-    bs = block_sizes or Sym2GpuBlockSizes()
+    bs = block_sizes or Phi2GpuBlockSizes()
+    if not isinstance(bs, Phi2GpuBlockSizes):
+        raise TypeError(f"{fn}: argument `block_sizes` must be a Phi2GpuBlockSizes; got {type(bs).__name__}.")
     d = _check_width(fn, x)
     if coeffs.shape != (3,):
         raise ValueError(f"{fn}: argument `coeffs` must have shape (3,) (c₀, c₁, c₂); got {tuple(coeffs.shape)}.")
@@ -211,11 +237,13 @@ def polynomial2_features_gpu(x, coeffs, width: int, dtype, *, block_sizes: Sym2G
                          f"{1 + d + d * (d + 1) // 2} for d = {d}.")
     x2 = x.reshape(-1, d)
     n = x2.shape[0]
-    block_i = _block_i(fn, bs, d)
     interpret = default_interpret() if interpret is None else interpret
-    kernel = functools.partial(_features_kernel, n=n, d=d, width=width, block_rows=bs.block_rows, block_i=block_i)
+    kernel = functools.partial(_features_kernel, n=n, width=width, block_rows=bs.block_rows,
+                               block_cols=bs.block_cols)
     out = pl.pallas_call(
-        kernel, grid=(pl.cdiv(n, bs.block_rows), d // block_i), out_shape=jax.ShapeDtypeStruct((n, width), dtype),
+        kernel, grid=(pl.cdiv(n, bs.block_rows), pl.cdiv(width, bs.block_cols)),
+        out_shape=jax.ShapeDtypeStruct((n, width), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
-        interpret=interpret, name="polynomial2_features_gpu")(x2, jnp.pad(coeffs.astype(F32), (0, 1)))
+        interpret=interpret, name="polynomial2_features_gpu")(
+            x2, *map(jnp.asarray, _feature_tables(d, width)), jnp.pad(coeffs.astype(F32), (0, 1)))
     return out.reshape(x.shape[:-1] + (width,))
