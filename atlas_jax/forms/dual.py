@@ -1059,6 +1059,12 @@ def _super_chunk_rows(features, xs: Steps, window: WindowCache | None, n_sub, b,
     rows = raw if features is None else features(raw)
     if n_window:
         rows = jax.lax.dynamic_update_slice_in_dim(rows, window.inputs.astype(rows.dtype), 0, 0)
+        # without the barrier XLA fused the chunk end's slice of the sources through this update,
+        # so it read φ's pre-update rows, which kept them alive and made the in-place update copy
+        # the whole buffer first ([32, 1048, 8448] bf16 at B4: 0.26 ms a super-chunk). omeganet
+        # B4 T4096 H8 D128 bf16 fwd+bwd on an H200, one command: 113.2 -> 111.4 ms, 12.88 -> 12.34
+        # GiB compiled (benchmarks/results/phi_tiles_h200_2026-12-02.md)
+        rows = jax.lax.optimization_barrier(rows)
     return rows
 
 
