@@ -63,7 +63,7 @@ def main():
                     help="compile tree NAME's programs with this XLA debug option (as XLA_FLAGS would set "
                          "it, but for that tree alone: `.compile(compiler_options=...)`), e.g. "
                          "wcb=xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE (a list in full: compile "
-                         "options take no +/- edits); repeat for more options; NAME may repeat another "
+                         "options take no +/- edits; true / false for a boolean); repeat for more options; NAME may repeat another "
                          "tree's PATH under a new name")
     args = ap.parse_args()
     if args.ops is None:   # a deep-memory comparison does not also spend device time on the ops
@@ -81,6 +81,8 @@ def main():
         if item.count("=") < 2:
             ap.error(f"--xla {item!r}: give NAME=FLAG=VALUE, e.g. wcb=xla_gpu_enable_command_buffer=FUSION")
         name, flag, value = item.split("=", 2)
+        # XLA takes a boolean option as a Python bool, not as the string "true"
+        value = {"true": True, "false": False}.get(value.lower(), value)
         xla_options.setdefault(name, {})[flag] = value
     if set(xla_options) - {name for name, _ in trees}:
         ap.error(f"--xla names trees that --tree does not: {sorted(set(xla_options) - {n for n, _ in trees})}")
