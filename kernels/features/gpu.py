@@ -27,10 +27,11 @@ features after it (FEATURE_ALIGN, `atlas_jax.forms.dual`) in one pass, in aligne
 and its coefficient, and the factors are gathered from x's rows, which are small and stay in cache.
 XLA formed these rows as a gather of two inputs per feature, then joined the blocks and padded them
 (~3× the time to write them); the first kernel walked the values of i as the backward does, storing
-row i's monomials at the unaligned off_i − i, masked to c ≥ i (1.1 TB/s written). Tiles: [8 heads,
-1048, 8448] bf16 rows (omeganet's super-chunk at B1) 121 -> 83 µs on an H200, [32 heads, 1048,
-8448] (B4) 498 -> 286 µs: 2.0 TB/s against the 3.2 TB/s XLA moves reading and writing them
-(build-side probe, one process, 2026-12-02; the whole layer: benchmarks/results/phi_tiles_h200_2026-12-02.md).
+row i's monomials at the unaligned off_i − i, masked to c ≥ i (1.2 TB/s written). Tiles: [8 heads,
+1048, 8448] bf16 rows (omeganet's super-chunk at B1) 115.7 -> 76.5 µs on an H200, [32 heads, 1048,
+8448] (B4) 493.4 -> 280.3 µs: 2.0 TB/s against the 3.2 TB/s XLA moves reading and writing as much
+(benchmarks/feature_rows.py, 2026-12-02; 16 × 256 tiles were 4–5% faster alone, not timed in the
+layer). The layer: benchmarks/results/phi_tiles_h200_2026-12-02.md.
 Its backward (`features.polynomial2_features`) reads sym_2's cotangent in place from the
 whole row (``column_offset``), so nothing of it is sliced out. Rows past the end of the last block
 are masked, not padded (padding copied the [n, 8256] cotangent). Writing φ's rows by a kernel at
