@@ -1,5 +1,6 @@
 """φ's rows on the GPU: how fast `polynomial2_features_gpu` writes the degree-2 polynomial map's
-rows against the bandwidth XLA reaches moving an array of their size, per tile size.
+rows, and `symmetric_square_backward_gpu` reads their cotangent, against the bandwidth XLA reaches
+moving an array of their size, per tile size.
 
     python3 benchmarks/feature_rows.py                           # the current tree, on the GPU
     python3 benchmarks/feature_rows.py --root build/before       # another tree's kernel (its defaults)
@@ -9,7 +10,10 @@ Rows: n = heads · 1048 (omeganet's super-chunk: 8 chunks' 67 sources and 64 que
 at B1, 32 at B4), d 128, width 8448, bf16 out. For each tile (block_rows × block_cols, warps) it
 checks the rows equal the default tiles' bit for bit and reports µs and the TB/s written; the
 anchor is XLA reading and writing an array of the same size (y · 1.5), the bandwidth an
-elementwise pass gets. Writes feature_rows.json to --out or $OUT.
+elementwise pass gets. The backward (as `features.polynomial2_features`' VJP calls it: sym_2's
+columns read in place from the bf16 row, c₂'s gradient formed too) per block_rows × block_i and
+warps, with the XLA sum of its block_i partials, checked against the default blocks at 1e-6
+relative (the partials' sums in another order). Writes feature_rows.json to --out or $OUT.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from timing import import_tree, log, save_json, time_jax
 
 TILES = [(32, 256, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (16, 256, 4), (32, 512, 4), (32, 512, 8),
          (64, 256, 4)]
+BACKWARD = [(32, 8, 4), (32, 16, 4), (32, 32, 4), (32, 128, 4), (16, 16, 4), (16, 32, 4), (64, 16, 4), (64, 32, 8),
+            (16, 8, 4)]
 
 
 def main():
@@ -57,6 +63,23 @@ def main():
             row = {"rows": n, "tiles": name, "us": ms * 1e3, "written_TB_s": gbytes / ms, "equal_to_default": exact}
             results["rows"].append(row)
             log(f"rows {n:6d} {name:14s} {ms * 1e3:8.1f} us  {gbytes / ms:5.2f} TB/s written  equal {exact}")
+        g = jax.random.normal(jax.random.PRNGKey(n), (n, width), jnp.bfloat16)
+        x32 = x.astype(jnp.float32)
+        back = lambda x, g, bs=None: gpu.symmetric_square_backward_gpu(x, g, coeffs[2], with_scale_grad=True,
+                                                                        column_offset=129, block_sizes=bs,
+                                                                        interpret=interpret)
+        want_dx, want_ds = jax.jit(back)(x32, g)
+        configs = [None] + [gpu.Sym2GpuBlockSizes(*t) for t in BACKWARD]
+        for bs in configs[:2] if args.tiny else configs:
+            run = jax.jit(lambda x, g, bs=bs: back(x, g, bs))
+            dx, ds = run(x32, g)
+            err = float(jnp.linalg.norm(dx - want_dx) / jnp.linalg.norm(want_dx))
+            ms = time_jax(run, x32, g, reps=1 if args.tiny else args.reps)
+            name = "default" if bs is None else f"{bs.block_rows}x{bs.block_i} w{bs.num_warps}"
+            results["rows"].append({"rows": n, "backward": name, "us": ms * 1e3, "read_TB_s": gbytes / ms,
+                                    "rel_to_default": err})
+            log(f"rows {n:6d} backward {name:10s} {ms * 1e3:8.1f} us  {gbytes / ms:5.2f} TB/s read  "
+                f"rel {err:.1e}")
         y = jnp.zeros((n, width), jnp.bfloat16)
         ms = time_jax(jax.jit(lambda y: y * jnp.bfloat16(1.5)), y, reps=1 if args.tiny else args.reps)
         results["rows"].append({"rows": n, "tiles": "XLA y*1.5", "us": ms * 1e3, "moved_TB_s": 2 * gbytes / ms})

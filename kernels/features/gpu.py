@@ -9,7 +9,10 @@ from off_i = i·d − i(i − 1)/2). With g the cotangent of those features,
 
 A program takes ``block_rows`` rows and ``block_i`` values of i; their shares of ∂L/∂x are summed
 in XLA. (The loop over i is sequential: one program per block of rows alone gave a call of
-omeganet's, 512 rows, 16 programs, and the layer ran 1.16× slower than with XLA's gather.) For
+omeganet's, 512 rows, 16 programs, and the layer ran 1.16× slower than with XLA's gather.) Since φ
+runs once a super-chunk a call has 1048 rows a head, and fewer, longer programs pay: 16 rows × 32
+values of i against 32 × 8, 192.1 -> 159.3 µs at 8,384 rows and 760.5 -> 609.3 at 33,536 (omeganet
+at B1 / B4; H200, benchmarks/feature_rows.py, 2026-12-02; the layer not re-timed). For
 each i it loads the d features from off_i − i, so that column c of the load is the monomial
 (i, c) for c ≥ i (the columns below i are the previous row's and are masked), and adds
 Σ_c coef_c g_ic x_c to ∂L/∂x_i and √2 g_ic x_i to ∂L/∂x_c (c > i). g is read once,
@@ -67,10 +70,10 @@ F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class Sym2GpuBlockSizes:
     """block_rows: rows per program; block_i: values of i per program (the grid's second axis, each
-    program's share summed in XLA; None: min(d, 8)); both powers of two. num_warps: warps per
+    program's share summed in XLA; None: min(d, 32)); both powers of two. num_warps: warps per
     program."""
 
-    block_rows: int = 32
+    block_rows: int = 16
     block_i: int | None = None
     num_warps: int = 4
 
@@ -144,7 +147,7 @@ def _check_width(fn, x):
 
 
 def _block_i(fn, bs, d):
-    block_i = min(d, 8) if bs.block_i is None else bs.block_i
+    block_i = min(d, 32) if bs.block_i is None else bs.block_i
     if d % block_i:
         raise ValueError(f"{fn}: `block_sizes.block_i` = {block_i} must divide d = {d}.")
     return block_i
