@@ -63,8 +63,8 @@ def main():
                     help="compile tree NAME's programs with this XLA debug option (as XLA_FLAGS would set "
                          "it, but for that tree alone: `.compile(compiler_options=...)`), e.g. "
                          "wcb=xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE (a list in full: compile "
-                         "options take no +/- edits; true / false for a boolean); repeat for more options; NAME may repeat another "
-                         "tree's PATH under a new name")
+                         "options take no +/- edits; true / false for a boolean); repeat for more options; "
+                         "NAME may repeat another tree's PATH under a new name")
     args = ap.parse_args()
     if args.ops is None:   # a deep-memory comparison does not also spend device time on the ops
         args.ops = [] if args.presets else ["gdn", "deltanet", "kda"]

@@ -100,7 +100,8 @@ class Phi2GpuBlockSizes:
         for name in ("block_rows", "block_cols"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"polynomial2_features_gpu: `block_sizes.{name}` must be a power of two; got {value!r}.")
+                raise ValueError(f"polynomial2_features_gpu: `block_sizes.{name}` must be a power of two; "
+                                 f"got {value!r}.")
         check_num_warps("polynomial2_features_gpu", self, ("num_warps",))
 
 
