@@ -67,6 +67,15 @@ _FN = "symmetric_square_backward_gpu"
 F32 = jnp.float32
 
 
+def _check_powers_of_two(fn, block_sizes, names):
+    """The block sizes' ``names`` are powers of two and their warps a count Triton takes."""
+    for name in names:
+        value = getattr(block_sizes, name)
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{fn}: `block_sizes.{name}` must be a power of two; got {value!r}.")
+    check_num_warps(fn, block_sizes, ("num_warps",))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sym2GpuBlockSizes:
     """block_rows: rows per program; block_i: values of i per program (the grid's second axis, each
@@ -78,13 +87,7 @@ class Sym2GpuBlockSizes:
     num_warps: int = 4
 
     def __post_init__(self):
-        for name in ("block_rows", "block_i"):
-            value = getattr(self, name)
-            if value is None and name == "block_i":
-                continue
-            if not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"{_FN}: `block_sizes.{name}` must be a power of two; got {value!r}.")
-        check_num_warps(_FN, self, ("num_warps",))
+        _check_powers_of_two(_FN, self, ("block_rows",) + (() if self.block_i is None else ("block_i",)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +100,7 @@ class Phi2GpuBlockSizes:
     num_warps: int = 4
 
     def __post_init__(self):
-        for name in ("block_rows", "block_cols"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"polynomial2_features_gpu: `block_sizes.{name}` must be a power of two; "
-                                 f"got {value!r}.")
-        check_num_warps("polynomial2_features_gpu", self, ("num_warps",))
+        _check_powers_of_two("polynomial2_features_gpu", self, ("block_rows", "block_cols"))
 
 
 def _row_block(block_rows, n):
@@ -189,8 +187,8 @@ def symmetric_square_backward_gpu(x, cotangent, scale=None, *, block_sizes: Sym2
 
 
 @functools.lru_cache(maxsize=None)
-def _feature_tables(d: int, width: int) -> np.ndarray:
-    """[3, width] int32: for each feature of φ's row, the two factors it multiplies (0: the
+def _feature_tables(d: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Three [width] int32 tables: for each feature of φ's row, the two factors it multiplies (0: the
     constant 1, m ≥ 1: x_{m−1}) and its kind (0 c₀, 1 c₁, 2 c₂ on sym_2's diagonal, 3 c₂·√2 off
     it, 4 a zero feature), in `polynomial2_features_gpu`'s order."""
     first, second, kind = np.zeros(width, np.int32), np.zeros(width, np.int32), np.full(width, 4, np.int32)
@@ -199,7 +197,7 @@ def _feature_tables(d: int, width: int) -> np.ndarray:
     i, j = np.triu_indices(d)   # row-major: the order of combinations_with_replacement
     pairs = slice(1 + d, 1 + d + i.size)
     first[pairs], second[pairs], kind[pairs] = i + 1, j + 1, np.where(i == j, 2, 3)
-    return np.stack([first, second, kind])
+    return first, second, kind
 
 
 def _features_kernel(x_ref, first_ref, second_ref, kind_ref, coeffs_ref, out_ref, *, n, width, block_rows,
